@@ -1,0 +1,141 @@
+// The engine: the service's one entry point below the RPC layer. It owns the block allocator,
+// the sequence table, the batcher and the backend (which owns the KV pool memory), and one
+// executor thread that forms batches, applies their state changes and launches them.
+//
+// Threading: every method is thread-safe. Decode and Append return at once; their callback runs
+// exactly once, on the executor thread (or inline, before the call returns, when the work is
+// refused at admission). A callback must not block; it may call any method but Shutdown.
+//
+// Ordering: work items are applied in the order they were admitted. All writes to and reads of
+// the pool happen on the executor, in batch order, so releasing a sequence never races a batch
+// that still reads its pages.
+//
+// Error codes (state never changes on error):
+//   INVALID_ARGUMENT    layer out of range, num_tokens out of range (the service checks sizes)
+//   NOT_FOUND           unknown sequence (or released before its work ran)
+//   ALREADY_EXISTS      CreateSequence / ForkSequence child id in use
+//   RESOURCE_EXHAUSTED  not enough free pages for the whole request
+//   FAILED_PRECONDITION layers out of order (see below), fork of a sequence mid-step
+//   UNAVAILABLE         queue full or shutting down
+//   DEADLINE_EXCEEDED   the work's deadline passed before it ran (dropped before compute)
+//   CANCELLED           the caller cancelled before it ran
+//   INTERNAL            a backend (device) error; health() turns non-OK and stays so
+//
+// Layers: a step (one decode token, or an append of n tokens) walks layers 0..L-1 in order for
+// a sequence. Layer 0 takes the pages the step needs (all or nothing, copy on write of a shared
+// partial last page), each layer writes the step's k/v into its own cache, the last layer
+// commits the tokens (the length grows). A step at layer l > 0 must follow the same sequence's
+// step at layer l-1 with the same num_tokens; anything else is FAILED_PRECONDITION. A Decode
+// without k/v is not a step: it may come at any time and reads the committed tokens only.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace pagedattn {
+
+class Backend;
+class Metrics;
+
+struct ModelConfig {
+  int32_t num_qo_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t page_size = 0;
+  int32_t num_layers = 0;
+  int64_t num_pages = 0;
+  int32_t max_batch_size = 0;
+  std::string backend;  // "cpu" or "cuda"
+};
+
+struct EngineStats {
+  int64_t pages_total = 0;
+  int64_t pages_free = 0;
+  int64_t sequences = 0;
+  int64_t tokens = 0;            // committed tokens over all live sequences
+  int64_t queue_depth = 0;       // work items waiting
+  int64_t batches = 0;           // backend launches so far
+  int64_t decoded_sequences = 0; // sequence-decodes computed so far
+  bool healthy = true;
+};
+
+// Set by the RPC layer when the caller goes away; checked before compute.
+using CancelFlag = std::shared_ptr<std::atomic<bool>>;
+
+// One Decode RPC (or stream message), sizes already validated by the service.
+struct DecodeWork {
+  uint64_t request_id = 0;
+  int32_t layer = 0;
+  std::vector<uint64_t> sequence_ids;  // B distinct ids
+  std::string q;                       // bf16 [B, 24, 128]
+  std::string k, v;                    // bf16 [B, 4, 128] each, or both empty (attend only)
+  float sm_scale = 0.0f;               // resolved by the service: never 0
+  absl::Time deadline = absl::InfiniteFuture();
+  CancelFlag cancelled;                // may be null
+};
+
+struct DecodeOutput {
+  uint64_t request_id = 0;
+  std::string output;  // bf16 [B, 24, 128]
+  std::string lse;     // fp32 [B, 24], base 2
+};
+
+// One AppendKV RPC: a step of num_tokens tokens at one layer.
+struct AppendWork {
+  uint64_t sequence_id = 0;
+  int32_t layer = 0;
+  int32_t num_tokens = 0;
+  std::string k, v;  // bf16 [num_tokens, 4, 128] each
+  absl::Time deadline = absl::InfiniteFuture();
+  CancelFlag cancelled;
+};
+
+class Engine {
+ public:
+  struct Options {
+    int32_t num_layers = 1;                               // > 0
+    int64_t num_pages = 4096;                             // > 0, per layer
+    int32_t max_batch_size = 64;                          // sequences per launch, > 0
+    absl::Duration max_queue_delay = absl::Microseconds(200);  // longest wait to fill a batch
+    int32_t max_queue_depth = 4096;                       // waiting work items; more: UNAVAILABLE
+  };
+
+  // INVALID_ARGUMENT for bad options; whatever the backend's pool allocation returns.
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const Options& options,
+                                                        std::unique_ptr<Backend> backend,
+                                                        Metrics* metrics /* nullable, outlives */);
+  ~Engine();  // Shutdown(absl::ZeroDuration()) if not yet shut down.
+
+  ModelConfig config() const;
+  EngineStats GetStats() const;
+  // OK while the backend works; INTERNAL after a device error.
+  absl::Status health() const;
+
+  absl::Status CreateSequence(uint64_t sequence_id);
+  absl::Status ForkSequence(uint64_t parent_id, uint64_t child_id);
+  absl::Status ReleaseSequence(uint64_t sequence_id);
+
+  using DecodeDone = std::function<void(absl::StatusOr<DecodeOutput>)>;
+  using AppendDone = std::function<void(absl::StatusOr<int64_t>)>;  // committed length after
+  void Decode(DecodeWork work, DecodeDone done);
+  void Append(AppendWork work, AppendDone done);
+
+  // Stops admission (UNAVAILABLE from then on), lets queued work finish for up to
+  // drain_timeout, fails what is left with UNAVAILABLE, and joins the executor. Idempotent.
+  void Shutdown(absl::Duration drain_timeout);
+
+ private:
+  class Impl;
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace pagedattn

@@ -1,0 +1,129 @@
+#include "server/metrics/metrics.h"
+
+#include <cmath>
+
+namespace pagedattn {
+
+prometheus::Histogram::BucketBoundaries Metrics::LatencyBuckets() {
+  prometheus::Histogram::BucketBoundaries bounds;
+  for (double decade = 1e-6; decade < 10.0; decade *= 10.0) {
+    bounds.push_back(decade);
+    bounds.push_back(2.5 * decade);
+    bounds.push_back(5.0 * decade);
+  }
+  bounds.push_back(10.0);
+  return bounds;
+}
+
+namespace {
+
+prometheus::Histogram::BucketBoundaries BatchSizeBuckets() {
+  prometheus::Histogram::BucketBoundaries bounds;
+  for (double b = 1; b <= 1024; b *= 2) bounds.push_back(b);
+  return bounds;
+}
+
+}  // namespace
+
+Metrics::Metrics()
+    : registry_(std::make_shared<prometheus::Registry>()),
+      requests_(prometheus::BuildCounter()
+                    .Name("pagedattn_requests_total")
+                    .Help("RPCs finished, by method and gRPC status code")
+                    .Register(*registry_)),
+      request_duration_(prometheus::BuildHistogram()
+                            .Name("pagedattn_request_duration_seconds")
+                            .Help("Time from an RPC's arrival to its response (per message on streams)")
+                            .Register(*registry_)),
+      rejected_(prometheus::BuildCounter()
+                    .Name("pagedattn_rejected_requests_total")
+                    .Help("Work refused or dropped before compute, by reason")
+                    .Register(*registry_)),
+      queue_duration_(prometheus::BuildHistogram()
+                          .Name("pagedattn_queue_duration_seconds")
+                          .Help("Time a work item waited in the queue before its batch launched")
+                          .Register(*registry_)
+                          .Add({}, LatencyBuckets())),
+      batch_size_(prometheus::BuildHistogram()
+                      .Name("pagedattn_batch_size")
+                      .Help("Sequences per backend launch")
+                      .Register(*registry_)
+                      .Add({}, BatchSizeBuckets())),
+      kernel_duration_(prometheus::BuildHistogram()
+                           .Name("pagedattn_kernel_duration_seconds")
+                           .Help("Backend compute time of one batch (device events on CUDA)")
+                           .Register(*registry_)
+                           .Add({}, LatencyBuckets())),
+      queue_depth_(prometheus::BuildGauge()
+                       .Name("pagedattn_queue_depth")
+                       .Help("Work items waiting for a batch")
+                       .Register(*registry_)
+                       .Add({})),
+      pages_total_(prometheus::BuildGauge()
+                       .Name("pagedattn_kv_pages_total")
+                       .Help("KV pages in the pool")
+                       .Register(*registry_)
+                       .Add({})),
+      pages_free_(prometheus::BuildGauge()
+                      .Name("pagedattn_kv_pages_free")
+                      .Help("KV pages on the free list")
+                      .Register(*registry_)
+                      .Add({})),
+      sequences_(prometheus::BuildGauge()
+                     .Name("pagedattn_sequences")
+                     .Help("Live sequences")
+                     .Register(*registry_)
+                     .Add({})),
+      tokens_(prometheus::BuildGauge()
+                  .Name("pagedattn_kv_tokens")
+                  .Help("Committed tokens over all live sequences")
+                  .Register(*registry_)
+                  .Add({})),
+      backend_healthy_(prometheus::BuildGauge()
+                           .Name("pagedattn_backend_healthy")
+                           .Help("1 while the compute backend works, 0 after a device error")
+                           .Register(*registry_)
+                           .Add({})) {
+  backend_healthy_.Set(1);
+}
+
+void Metrics::RecordRequest(std::string_view method, std::string_view code, double seconds) {
+  requests_.Add({{"method", std::string(method)}, {"code", std::string(code)}}).Increment();
+  prometheus::Histogram* histogram;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = duration_by_method_.find(method);
+    if (it == duration_by_method_.end()) {
+      it = duration_by_method_
+               .emplace(std::string(method),
+                        &request_duration_.Add({{"method", std::string(method)}}, LatencyBuckets()))
+               .first;
+    }
+    histogram = it->second;
+  }
+  histogram->Observe(seconds);
+}
+
+void Metrics::RecordQueueDuration(double seconds) { queue_duration_.Observe(seconds); }
+
+void Metrics::RecordBatch(int64_t sequences, double kernel_seconds) {
+  batch_size_.Observe(static_cast<double>(sequences));
+  kernel_duration_.Observe(kernel_seconds);
+}
+
+void Metrics::RecordRejected(std::string_view reason) {
+  rejected_.Add({{"reason", std::string(reason)}}).Increment();
+}
+
+void Metrics::SetQueueDepth(int64_t depth) { queue_depth_.Set(static_cast<double>(depth)); }
+
+void Metrics::SetPool(int64_t pages_total, int64_t pages_free, int64_t sequences, int64_t tokens) {
+  pages_total_.Set(static_cast<double>(pages_total));
+  pages_free_.Set(static_cast<double>(pages_free));
+  sequences_.Set(static_cast<double>(sequences));
+  tokens_.Set(static_cast<double>(tokens));
+}
+
+void Metrics::SetBackendHealthy(bool healthy) { backend_healthy_.Set(healthy ? 1 : 0); }
+
+}  // namespace pagedattn

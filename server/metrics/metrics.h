@@ -1,0 +1,71 @@
+// The service's Prometheus metrics: one registry and every metric family, created once and
+// injected into the components that record them. Label values are bounded sets (RPC method
+// names, gRPC code names, rejection reasons); never a sequence or request id.
+// Thread-safe: every method may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "absl/synchronization/mutex.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace pagedattn {
+
+class Metrics {
+ public:
+  Metrics();
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+
+  // The registry to hand to a prometheus::Exposer (or to collect from in tests).
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+  // pagedattn_requests_total{method,code} and pagedattn_request_duration_seconds{method}.
+  void RecordRequest(std::string_view method, std::string_view code, double seconds);
+  // pagedattn_queue_duration_seconds: time a work item waited before its batch launched.
+  void RecordQueueDuration(double seconds);
+  // pagedattn_batch_size (sequences per launch) and pagedattn_kernel_duration_seconds.
+  void RecordBatch(int64_t sequences, double kernel_seconds);
+  // pagedattn_rejected_requests_total{reason}: queue_full, shutting_down, deadline_exceeded,
+  // cancelled, pool_exhausted, unauthenticated.
+  void RecordRejected(std::string_view reason);
+  // pagedattn_queue_depth: work items waiting for a batch.
+  void SetQueueDepth(int64_t depth);
+  // pagedattn_kv_pages_total, pagedattn_kv_pages_free, pagedattn_sequences, pagedattn_kv_tokens.
+  void SetPool(int64_t pages_total, int64_t pages_free, int64_t sequences, int64_t tokens);
+  // pagedattn_backend_healthy: 1 while the backend works, 0 after a device error.
+  void SetBackendHealthy(bool healthy);
+
+  // Bucket bounds, in seconds: 1 us to 10 s, three per decade.
+  static prometheus::Histogram::BucketBoundaries LatencyBuckets();
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Histogram>& request_duration_;
+  prometheus::Family<prometheus::Counter>& rejected_;
+  prometheus::Histogram& queue_duration_;
+  prometheus::Histogram& batch_size_;
+  prometheus::Histogram& kernel_duration_;
+  prometheus::Gauge& queue_depth_;
+  prometheus::Gauge& pages_total_;
+  prometheus::Gauge& pages_free_;
+  prometheus::Gauge& sequences_;
+  prometheus::Gauge& tokens_;
+  prometheus::Gauge& backend_healthy_;
+
+  // Family::Add looks up its labels under the family's lock on every call; the histograms of
+  // the few methods are cached here instead.
+  absl::Mutex mu_;
+  std::map<std::string, prometheus::Histogram*, std::less<>> duration_by_method_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace pagedattn
