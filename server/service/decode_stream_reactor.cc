@@ -1,0 +1,159 @@
+#include "server/service/decode_stream_reactor.h"
+
+#include <utility>
+
+#include "server/metrics/metrics.h"
+#include "server/service/status.h"
+#include "server/service/unary_call.h"
+#include "server/service/validation.h"
+
+namespace pagedattn {
+
+namespace {
+constexpr std::string_view kMethod = "DecodeStream";
+}  // namespace
+
+DecodeStreamReactor::DecodeStreamReactor(grpc::CallbackServerContext* context, Engine* engine,
+                                         ModelConfig config, Metrics* metrics, int32_t max_in_flight)
+    : engine_(engine),
+      config_(std::move(config)),
+      metrics_(metrics),
+      max_in_flight_(max_in_flight),
+      deadline_(CallDeadline(*context)),
+      cancelled_(std::make_shared<std::atomic<bool>>(false)) {
+  {
+    absl::MutexLock lock(&mu_);
+    reading_ = true;
+  }
+  StartRead(&read_buffer_);
+}
+
+void DecodeStreamReactor::OnReadDone(bool ok) {
+  Slot* slot = nullptr;
+  v1::DecodeRequest request;
+  Actions actions;
+  {
+    absl::MutexLock lock(&mu_);
+    reading_ = false;
+    if (!ok) {
+      read_closed_ = true;
+    } else if (!broken_ && !finished_) {
+      request = std::move(read_buffer_);
+      read_buffer_.Clear();
+      auto owned = std::make_unique<Slot>();
+      owned->start = absl::Now();
+      owned->response.set_request_id(request.request_id());
+      slot = owned.get();
+      slots_.push_back(std::move(owned));
+      ++in_engine_;  // counted until Submit's callback (or its validation failure) lands
+    }
+    if (slot == nullptr) actions = Plan();
+  }
+  if (slot != nullptr) {
+    Submit(std::move(request), slot);
+    absl::MutexLock lock(&mu_);
+    actions = Plan();
+  }
+  Run(actions);
+}
+
+void DecodeStreamReactor::Submit(v1::DecodeRequest request, Slot* slot) {
+  absl::StatusOr<DecodeWork> work = ToDecodeWork(request, config_);
+  if (!work.ok()) {
+    OnComputed(slot, work.status());
+    return;
+  }
+  work->deadline = deadline_;
+  work->cancelled = cancelled_;
+  engine_->Decode(*std::move(work), [this, slot](absl::StatusOr<DecodeOutput> result) {
+    OnComputed(slot, std::move(result));
+  });
+}
+
+void DecodeStreamReactor::SetError(Slot* slot, const absl::Status& status) {
+  slot->code = status.code();
+  slot->response.set_error_code(static_cast<int32_t>(ToGrpcStatus(status).error_code()));
+  slot->response.set_error_message(std::string(status.message()));
+}
+
+void DecodeStreamReactor::OnComputed(Slot* slot, absl::StatusOr<DecodeOutput> result) {
+  Actions actions;
+  {
+    absl::MutexLock lock(&mu_);
+    if (result.ok()) {
+      slot->response.set_output(std::move(result->output));
+      slot->response.set_lse(std::move(result->lse));
+    } else {
+      SetError(slot, result.status());
+    }
+    slot->done = true;
+    --in_engine_;
+    actions = Plan();
+  }
+  Run(actions);
+}
+
+void DecodeStreamReactor::OnWriteDone(bool ok) {
+  Actions actions;
+  {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    std::unique_ptr<Slot> written = std::move(slots_.front());
+    slots_.pop_front();
+    if (ok) {
+      if (metrics_ != nullptr) {
+        metrics_->RecordRequest(kMethod, StatusCodeName(written->code),
+                                absl::ToDoubleSeconds(absl::Now() - written->start));
+      }
+    } else {
+      broken_ = true;
+      cancelled_->store(true, std::memory_order_relaxed);
+    }
+    actions = Plan();
+  }
+  Run(actions);
+}
+
+void DecodeStreamReactor::OnCancel() {
+  cancelled_->store(true, std::memory_order_relaxed);
+  Actions actions;
+  {
+    absl::MutexLock lock(&mu_);
+    broken_ = true;
+    actions = Plan();
+  }
+  Run(actions);
+}
+
+void DecodeStreamReactor::OnDone() { delete this; }
+
+DecodeStreamReactor::Actions DecodeStreamReactor::Plan() {
+  Actions actions;
+  if (finished_) return actions;
+  if (!broken_ && !writing_ && !slots_.empty() && slots_.front()->done) {
+    writing_ = true;
+    actions.write = &slots_.front()->response;
+  }
+  const bool drained = read_closed_ && slots_.empty();
+  if ((broken_ || drained) && !writing_ && in_engine_ == 0) {
+    finished_ = true;
+    actions.finish = true;
+    actions.finish_status =
+        broken_ ? grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled") : grpc::Status::OK;
+    return actions;
+  }
+  if (!broken_ && !reading_ && !read_closed_ &&
+      static_cast<int32_t>(slots_.size()) < max_in_flight_) {
+    reading_ = true;
+    actions.read = true;
+  }
+  return actions;
+}
+
+void DecodeStreamReactor::Run(const Actions& actions) {
+  if (actions.write != nullptr) StartWrite(actions.write);
+  if (actions.read) StartRead(&read_buffer_);
+  if (actions.finish) Finish(actions.finish_status);
+}
+
+}  // namespace pagedattn

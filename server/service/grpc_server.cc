@@ -1,0 +1,100 @@
+#include "server/service/grpc_server.h"
+
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+
+namespace pagedattn {
+
+namespace {
+
+constexpr char kServiceName[] = "pagedattn.v1.PagedAttention";
+
+void SetServing(grpc::Server& server, bool serving) {
+  grpc::HealthCheckServiceInterface* health = server.GetHealthCheckService();
+  if (health == nullptr) return;
+  health->SetServingStatus(serving);
+  health->SetServingStatus(kServiceName, serving);
+}
+
+}  // namespace
+
+GrpcServer::GrpcServer(std::unique_ptr<PagedAttentionService> service, Engine* engine,
+                       absl::Duration poll)
+    : service_(std::move(service)), engine_(engine), poll_(poll) {}
+
+absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const Options& options, Engine* engine,
+                                                              Metrics* metrics) {
+  if (options.max_message_bytes < 1024 ||
+      options.max_message_bytes > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat("max_message_bytes must be in [1024, 2^31), got ",
+                                                   options.max_message_bytes));
+  }
+  if (options.stream_max_in_flight < 1) {
+    return absl::InvalidArgumentError("stream_max_in_flight must be > 0");
+  }
+  if (options.health_poll_interval <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("health_poll_interval must be > 0");
+  }
+  PagedAttentionService::Options service_options;
+  service_options.max_message_bytes = options.max_message_bytes;
+  service_options.stream_max_in_flight = options.stream_max_in_flight;
+  std::unique_ptr<GrpcServer> server(new GrpcServer(
+      std::make_unique<PagedAttentionService>(service_options, engine, metrics), engine,
+      options.health_poll_interval));
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &server->port_);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.RegisterService(server->service_.get());
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    if (server->server_ != nullptr) server->server_->Shutdown();
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.address));
+  }
+  SetServing(*server->server_, engine->health().ok());
+  server->watcher_ = std::thread([s = server.get()] { s->WatchHealth(); });
+  return server;
+}
+
+GrpcServer::~GrpcServer() { Shutdown(absl::Now()); }
+
+void GrpcServer::WatchHealth() {
+  bool serving = engine_->health().ok();
+  absl::MutexLock lock(&mu_);
+  while (!stopping_) {
+    auto stopping = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_; };
+    if (mu_.AwaitWithTimeout(absl::Condition(&stopping), poll_)) break;
+    const bool healthy = engine_->health().ok();
+    if (healthy != serving) {
+      serving = healthy;
+      SetServing(*server_, serving);
+    }
+  }
+}
+
+void GrpcServer::Shutdown(absl::Time deadline) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  if (watcher_.joinable()) watcher_.join();
+  if (server_ == nullptr) return;  // Start failed
+  // The health service's own Shutdown sets every service NOT_SERVING and ignores later updates.
+  if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
+    health->Shutdown();
+  }
+  server_->Shutdown(absl::ToChronoTime(deadline));
+  server_->Wait();
+}
+
+}  // namespace pagedattn

@@ -1,0 +1,69 @@
+// GrpcServer: the gRPC server around PagedAttentionService, with the standard health service
+// (grpc.health.v1) and reflection. Health is SERVING for "" and "pagedattn.v1.PagedAttention"
+// while the engine is healthy; a watcher thread turns it NOT_SERVING when engine.health()
+// fails, and Shutdown turns it NOT_SERVING for good.
+//
+// Ownership: the engine and metrics are borrowed and outlive the server. Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/server.h"
+#include "server/engine/engine.h"
+#include "server/service/service.h"
+
+namespace pagedattn {
+
+class Metrics;
+
+class GrpcServer {
+ public:
+  struct Options {
+    // host:port to listen on (insecure); port 0 picks a free port (see port()).
+    std::string address = "127.0.0.1:50051";
+    // Receive and send limit per message; larger messages fail with RESOURCE_EXHAUSTED in the
+    // transport. 1 KiB .. 2 GiB - 1.
+    int64_t max_message_bytes = 64 << 20;
+    // DecodeStream: requests in flight per stream.
+    int32_t stream_max_in_flight = 32;
+    // How often the watcher polls engine.health().
+    absl::Duration health_poll_interval = absl::Milliseconds(200);
+  };
+
+  // Builds and starts the server. INVALID_ARGUMENT for bad options, UNAVAILABLE when the
+  // address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<GrpcServer>> Start(const Options& options, Engine* engine,
+                                                           Metrics* metrics /* nullable */);
+  ~GrpcServer();  // Shutdown(absl::Now()) if not yet shut down.
+
+  // The bound port (the chosen one when the address asked for port 0).
+  int port() const { return port_; }
+
+  // Health NOT_SERVING, stops accepting calls, waits for calls in progress until `deadline`,
+  // then cancels what is left and returns once every handler is done. The engine keeps
+  // running: the caller drains it afterwards. Idempotent.
+  void Shutdown(absl::Time deadline);
+
+ private:
+  GrpcServer(std::unique_ptr<PagedAttentionService> service, Engine* engine, absl::Duration poll);
+  void WatchHealth();
+
+  std::unique_ptr<PagedAttentionService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  Engine* const engine_;
+  const absl::Duration poll_;
+  int port_ = 0;
+
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread watcher_;
+};
+
+}  // namespace pagedattn

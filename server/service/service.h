@@ -1,0 +1,64 @@
+// PagedAttentionService: the pagedattn.v1.PagedAttention RPCs on gRPC's callback API,
+// translated onto the Engine. Validation happens here (server/service/validation.h); the
+// engine's absl::Status becomes the call's grpc::Status through ToGrpcStatus. Every finished
+// call (and every DecodeStream message) is counted in pagedattn_requests_total{method,code}
+// and pagedattn_request_duration_seconds{method}.
+//
+// No handler blocks a gRPC thread on a batch: Decode and AppendKV finish from the engine's
+// completion callback; the other RPCs are short engine calls answered inline.
+//
+// Thread-safe; the engine and metrics outlive the service (and the server it is registered on).
+#pragma once
+
+#include <cstdint>
+
+#include "pagedattn/v1/pagedattn.grpc.pb.h"
+#include "server/engine/engine.h"
+
+namespace pagedattn {
+
+class Metrics;
+
+class PagedAttentionService final : public v1::PagedAttention::CallbackService {
+ public:
+  struct Options {
+    // Reported by GetModelConfig: the server's message size limit.
+    int64_t max_message_bytes = 64 << 20;
+    // DecodeStream: requests read ahead and in flight per stream (> 0).
+    int32_t stream_max_in_flight = 32;
+  };
+
+  PagedAttentionService(const Options& options, Engine* engine, Metrics* metrics /* nullable */);
+
+  grpc::ServerUnaryReactor* GetModelConfig(grpc::CallbackServerContext* context,
+                                           const v1::GetModelConfigRequest* request,
+                                           v1::GetModelConfigResponse* response) override;
+  grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* context,
+                                           const v1::CreateSequenceRequest* request,
+                                           v1::CreateSequenceResponse* response) override;
+  grpc::ServerUnaryReactor* AppendKV(grpc::CallbackServerContext* context,
+                                     const v1::AppendKVRequest* request,
+                                     v1::AppendKVResponse* response) override;
+  grpc::ServerUnaryReactor* Decode(grpc::CallbackServerContext* context,
+                                   const v1::DecodeRequest* request,
+                                   v1::DecodeResponse* response) override;
+  grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* DecodeStream(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext* context,
+                                         const v1::ForkSequenceRequest* request,
+                                         v1::ForkSequenceResponse* response) override;
+  grpc::ServerUnaryReactor* ReleaseSequence(grpc::CallbackServerContext* context,
+                                            const v1::ReleaseSequenceRequest* request,
+                                            v1::ReleaseSequenceResponse* response) override;
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
+                                     const v1::GetStatsRequest* request,
+                                     v1::GetStatsResponse* response) override;
+
+ private:
+  const Options options_;
+  Engine* const engine_;
+  Metrics* const metrics_;
+  const ModelConfig config_;  // fixed for the engine's life
+};
+
+}  // namespace pagedattn

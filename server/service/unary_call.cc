@@ -1,0 +1,35 @@
+#include "server/service/unary_call.h"
+
+#include <chrono>
+
+#include "server/metrics/metrics.h"
+#include "server/service/status.h"
+
+namespace pagedattn {
+
+absl::Time CallDeadline(const grpc::CallbackServerContext& context) {
+  const std::chrono::system_clock::time_point deadline = context.deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(deadline);
+}
+
+UnaryCall::UnaryCall(grpc::CallbackServerContext* context, std::string_view method, Metrics* metrics)
+    : method_(method),
+      metrics_(metrics),
+      start_(absl::Now()),
+      deadline_(CallDeadline(*context)),
+      cancelled_(std::make_shared<std::atomic<bool>>(false)) {}
+
+void UnaryCall::Complete(const absl::Status& status) {
+  if (metrics_ != nullptr) {
+    metrics_->RecordRequest(method_, StatusCodeName(status.code()),
+                            absl::ToDoubleSeconds(absl::Now() - start_));
+  }
+  Finish(ToGrpcStatus(status));
+}
+
+void UnaryCall::OnCancel() { cancelled_->store(true, std::memory_order_relaxed); }
+
+void UnaryCall::OnDone() { delete this; }
+
+}  // namespace pagedattn
