@@ -1,0 +1,239 @@
+// pagedattn-cli: one pagedattn.v1 call per invocation, for people and scripts.
+//   pagedattn-cli [flags] config | stats
+//   pagedattn-cli [flags] create ID | release ID | fork PARENT CHILD
+//   pagedattn-cli [flags] append ID [--num_tokens=N] [--layer=L] [--k_file=F --v_file=F]
+//   pagedattn-cli [flags] decode ID[,ID...] [--layer=L] [--with_kv] [--q_file=F] [--output_file=F]
+// Exit status: 0 on success, 1 when the call fails (the status is printed), 2 for bad usage.
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <iterator>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "client/bf16.h"
+#include "client/client.h"
+#include "google/protobuf/util/json_util.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address (any gRPC target)");
+ABSL_FLAG(int64_t, max_message_bytes, 64 << 20, "Client send/receive message limit in bytes");
+ABSL_FLAG(absl::Duration, timeout, absl::Seconds(60), "Deadline of each call (0: none)");
+ABSL_FLAG(int32_t, layer, -1, "Layer for append/decode; -1 walks every layer 0..L-1 in order");
+ABSL_FLAG(int32_t, num_tokens, 64, "append: tokens of random K/V (ignored with --k_file/--v_file)");
+ABSL_FLAG(std::string, k_file, "", "append: raw bf16 [num_tokens,4,128] K, used for every layer");
+ABSL_FLAG(std::string, v_file, "", "append: raw bf16 [num_tokens,4,128] V, used for every layer");
+ABSL_FLAG(bool, with_kv, false, "decode: append one random new token per sequence (a decode step)");
+ABSL_FLAG(std::string, q_file, "", "decode: raw bf16 [B,24,128] queries (default: random normal)");
+ABSL_FLAG(std::string, output_file, "", "decode: write the last layer's raw bf16 output here");
+ABSL_FLAG(float, sm_scale, 0.0f, "decode: softmax scale (0: 1/sqrt(128))");
+ABSL_FLAG(uint64_t, request_id, 1, "decode: request id (echoed by the server)");
+ABSL_FLAG(uint64_t, seed, 1, "Seed of the random normal data");
+
+namespace {
+
+using pagedattn::client::Client;
+namespace v1 = pagedattn::v1;
+
+constexpr int64_t kKvRowElems = 4 * 128;
+constexpr int64_t kQueryElems = 24 * 128;
+
+int Fail(const absl::Status& status) {
+  std::cerr << "error: " << status << "\n";
+  return 1;
+}
+
+int Usage(const std::string& why) {
+  std::cerr << "usage error: " << why << "\n(run with --help for the commands)\n";
+  return 2;
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+absl::StatusOr<uint64_t> ParseId(const std::string& text) {
+  uint64_t id;
+  if (!absl::SimpleAtoi(text, &id)) return absl::InvalidArgumentError(absl::StrCat("bad id: ", text));
+  return id;
+}
+
+void PrintJson(const google::protobuf::Message& message) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = true;
+  std::string json;
+  (void)google::protobuf::util::MessageToJsonString(message, &json, options);
+  std::cout << json;
+}
+
+// Layers a command walks: the one asked for, or all of them in order.
+absl::StatusOr<std::vector<int32_t>> Layers(Client& client) {
+  const int32_t layer = absl::GetFlag(FLAGS_layer);
+  if (layer >= 0) return std::vector<int32_t>{layer};
+  absl::StatusOr<v1::GetModelConfigResponse> config = client.GetModelConfig();
+  if (!config.ok()) return config.status();
+  std::vector<int32_t> layers;
+  for (int32_t l = 0; l < config->num_layers(); ++l) layers.push_back(l);
+  return layers;
+}
+
+int Append(Client& client, uint64_t id, std::mt19937_64& rng) {
+  std::string k, v;
+  int32_t num_tokens = absl::GetFlag(FLAGS_num_tokens);
+  const bool from_files = !absl::GetFlag(FLAGS_k_file).empty() || !absl::GetFlag(FLAGS_v_file).empty();
+  if (from_files) {
+    absl::StatusOr<std::string> kf = ReadFile(absl::GetFlag(FLAGS_k_file));
+    if (!kf.ok()) return Fail(kf.status());
+    absl::StatusOr<std::string> vf = ReadFile(absl::GetFlag(FLAGS_v_file));
+    if (!vf.ok()) return Fail(vf.status());
+    k = *std::move(kf);
+    v = *std::move(vf);
+    num_tokens = static_cast<int32_t>(k.size() / (kKvRowElems * 2));
+  }
+  absl::StatusOr<std::vector<int32_t>> layers = Layers(client);
+  if (!layers.ok()) return Fail(layers.status());
+  int64_t length = 0;
+  for (int32_t layer : *layers) {
+    if (!from_files) {
+      k = pagedattn::client::RandomNormalBf16(num_tokens * kKvRowElems, rng);
+      v = pagedattn::client::RandomNormalBf16(num_tokens * kKvRowElems, rng);
+    }
+    absl::StatusOr<int64_t> result = client.AppendKV(id, layer, num_tokens, k, v);
+    if (!result.ok()) return Fail(result.status());
+    length = *result;
+  }
+  std::cout << "sequence " << id << ": appended " << num_tokens << " tokens to " << layers->size()
+            << " layer(s), length " << length << "\n";
+  return 0;
+}
+
+int Decode(Client& client, const std::string& ids_text, std::mt19937_64& rng) {
+  v1::DecodeRequest request;
+  for (absl::string_view part : absl::StrSplit(ids_text, ',', absl::SkipEmpty())) {
+    absl::StatusOr<uint64_t> id = ParseId(std::string(part));
+    if (!id.ok()) return Usage(std::string(id.status().message()));
+    request.add_sequence_ids(*id);
+  }
+  const int64_t batch = request.sequence_ids_size();
+  if (batch == 0) return Usage("decode needs sequence ids");
+  request.set_request_id(absl::GetFlag(FLAGS_request_id));
+  request.set_sm_scale(absl::GetFlag(FLAGS_sm_scale));
+  std::string q;
+  if (!absl::GetFlag(FLAGS_q_file).empty()) {
+    absl::StatusOr<std::string> qf = ReadFile(absl::GetFlag(FLAGS_q_file));
+    if (!qf.ok()) return Fail(qf.status());
+    q = *std::move(qf);
+  }
+  absl::StatusOr<std::vector<int32_t>> layers = Layers(client);
+  if (!layers.ok()) return Fail(layers.status());
+  v1::DecodeResponse response;
+  for (int32_t layer : *layers) {
+    request.set_layer(layer);
+    request.set_q(q.empty() ? pagedattn::client::RandomNormalBf16(batch * kQueryElems, rng) : q);
+    if (absl::GetFlag(FLAGS_with_kv)) {
+      request.set_k(pagedattn::client::RandomNormalBf16(batch * kKvRowElems, rng));
+      request.set_v(pagedattn::client::RandomNormalBf16(batch * kKvRowElems, rng));
+    }
+    absl::StatusOr<v1::DecodeResponse> result = client.Decode(request);
+    if (!result.ok()) return Fail(result.status());
+    response = *std::move(result);
+    const std::vector<float> out = pagedattn::client::DecodeBf16(response.output());
+    const std::vector<float> lse = pagedattn::client::DecodeFloat32(response.lse());
+    for (int64_t b = 0; b < batch; ++b) {
+      double norm = 0.0;
+      for (int64_t i = 0; i < kQueryElems; ++i) norm += double{out[b * kQueryElems + i]} * out[b * kQueryElems + i];
+      std::cout << "request " << response.request_id() << " layer " << layer << " sequence "
+                << request.sequence_ids(static_cast<int>(b)) << ": lse[head 0] " << lse[b * 24]
+                << ", |output| " << std::sqrt(norm) << "\n";
+    }
+  }
+  if (!absl::GetFlag(FLAGS_output_file).empty()) {
+    std::ofstream out(absl::GetFlag(FLAGS_output_file), std::ios::binary);
+    out << response.output();
+    if (!out) return Fail(absl::InternalError("cannot write " + absl::GetFlag(FLAGS_output_file)));
+  }
+  return 0;
+}
+
+int Run(const std::vector<std::string>& args) {
+  if (args.empty()) return Usage("missing command");
+  pagedattn::client::ClientOptions options;
+  options.target = absl::GetFlag(FLAGS_target);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.timeout = absl::GetFlag(FLAGS_timeout);
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+  if (!client.ok()) return Fail(client.status());
+  const std::string& command = args[0];
+  // A stream per command, so that a decode's queries are not the K rows an append drew.
+  std::mt19937_64 rng(absl::GetFlag(FLAGS_seed) * 0x9E3779B97F4A7C15ull ^
+                      std::hash<std::string>{}(command));
+  auto want = [&](size_t n) { return args.size() == n + 1; };
+  auto id_at = [&](size_t i) { return ParseId(args[i]); };
+
+  if (command == "config" && want(0)) {
+    absl::StatusOr<v1::GetModelConfigResponse> config = (*client)->GetModelConfig();
+    if (!config.ok()) return Fail(config.status());
+    PrintJson(*config);
+    return 0;
+  }
+  if (command == "stats" && want(0)) {
+    absl::StatusOr<v1::GetStatsResponse> stats = (*client)->GetStats();
+    if (!stats.ok()) return Fail(stats.status());
+    PrintJson(*stats);
+    return 0;
+  }
+  if ((command == "create" || command == "release" || command == "append") && want(1)) {
+    absl::StatusOr<uint64_t> id = id_at(1);
+    if (!id.ok()) return Usage(std::string(id.status().message()));
+    if (command == "append") return Append(**client, *id, rng);
+    absl::Status status = command == "create" ? (*client)->CreateSequence(*id)
+                                              : (*client)->ReleaseSequence(*id);
+    if (!status.ok()) return Fail(status);
+    std::cout << "sequence " << *id << ": " << (command == "create" ? "created" : "released") << "\n";
+    return 0;
+  }
+  if (command == "fork" && want(2)) {
+    absl::StatusOr<uint64_t> parent = id_at(1);
+    absl::StatusOr<uint64_t> child = id_at(2);
+    if (!parent.ok() || !child.ok()) return Usage("fork PARENT CHILD");
+    if (absl::Status status = (*client)->ForkSequence(*parent, *child); !status.ok()) return Fail(status);
+    std::cout << "sequence " << *child << ": forked from " << *parent << "\n";
+    return 0;
+  }
+  if (command == "decode" && want(1)) return Decode(**client, args[1], rng);
+  return Usage(absl::StrCat("unknown command or wrong arguments: ", command));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "pagedattn-cli [flags] COMMAND [ARGS]\n"
+      "  config                     the server's model config (JSON)\n"
+      "  stats                      pool and engine counters (JSON)\n"
+      "  create ID                  create an empty sequence\n"
+      "  append ID                  append --num_tokens random tokens (or --k_file/--v_file)\n"
+      "                             to --layer, or to every layer in order (-1, the default)\n"
+      "  decode ID[,ID...]          decode at --layer or every layer; --with_kv makes it a step\n"
+      "  fork PARENT CHILD          child shares the parent's pages (copy on write)\n"
+      "  release ID                 free a sequence");
+  std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  std::vector<std::string> args(positional.begin() + 1, positional.end());
+  return Run(args);
+}

@@ -1,0 +1,144 @@
+#include "client/client.h"
+
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
+
+namespace pagedattn::client {
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+DecodeStream::DecodeStream(
+    std::unique_ptr<grpc::ClientContext> context,
+    std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> stream)
+    : context_(std::move(context)), stream_(std::move(stream)) {}
+
+bool DecodeStream::Write(const v1::DecodeRequest& request) { return stream_->Write(request); }
+
+bool DecodeStream::Read(v1::DecodeResponse* response) { return stream_->Read(response); }
+
+bool DecodeStream::WritesDone() {
+  if (writes_done_) return true;
+  writes_done_ = true;
+  return stream_->WritesDone();
+}
+
+absl::Status DecodeStream::Finish() {
+  WritesDone();
+  return FromGrpcStatus(stream_->Finish());
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  if (options.target.empty()) return absl::InvalidArgumentError("empty target");
+  if (options.max_message_bytes < 1024 ||
+      options.max_message_bytes > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat("max_message_bytes must be in [1024, 2^31), got ",
+                                                   options.max_message_bytes));
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  auto channel =
+      grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  return std::unique_ptr<Client>(new Client(options, std::move(channel)));
+}
+
+Client::Client(const ClientOptions& options, std::shared_ptr<grpc::Channel> channel)
+    : options_(options),
+      channel_(std::move(channel)),
+      stub_(v1::PagedAttention::NewStub(channel_)) {}
+
+absl::Status Client::WaitForConnected(absl::Duration timeout) {
+  if (channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout))) return absl::OkStatus();
+  return absl::DeadlineExceededError(
+      absl::StrCat("not connected to ", options_.target, " within ", absl::FormatDuration(timeout)));
+}
+
+std::unique_ptr<grpc::ClientContext> Client::NewContext() const {
+  auto context = std::make_unique<grpc::ClientContext>();
+  if (options_.timeout > absl::ZeroDuration()) {
+    context->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  }
+  context->set_wait_for_ready(options_.wait_for_ready);
+  return context;
+}
+
+absl::StatusOr<v1::GetModelConfigResponse> Client::GetModelConfig() {
+  auto context = NewContext();
+  v1::GetModelConfigResponse response;
+  grpc::Status status = stub_->GetModelConfig(context.get(), v1::GetModelConfigRequest(), &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::Status Client::CreateSequence(uint64_t sequence_id) {
+  auto context = NewContext();
+  v1::CreateSequenceRequest request;
+  request.set_sequence_id(sequence_id);
+  v1::CreateSequenceResponse response;
+  return FromGrpcStatus(stub_->CreateSequence(context.get(), request, &response));
+}
+
+absl::StatusOr<int64_t> Client::AppendKV(uint64_t sequence_id, int32_t layer, int32_t num_tokens,
+                                         std::string k, std::string v) {
+  auto context = NewContext();
+  v1::AppendKVRequest request;
+  request.set_sequence_id(sequence_id);
+  request.set_layer(layer);
+  request.set_num_tokens(num_tokens);
+  request.set_k(std::move(k));
+  request.set_v(std::move(v));
+  v1::AppendKVResponse response;
+  grpc::Status status = stub_->AppendKV(context.get(), request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response.length();
+}
+
+absl::StatusOr<v1::DecodeResponse> Client::Decode(const v1::DecodeRequest& request) {
+  auto context = NewContext();
+  v1::DecodeResponse response;
+  grpc::Status status = stub_->Decode(context.get(), request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::Status Client::ForkSequence(uint64_t parent_id, uint64_t child_id) {
+  auto context = NewContext();
+  v1::ForkSequenceRequest request;
+  request.set_parent_id(parent_id);
+  request.set_child_id(child_id);
+  v1::ForkSequenceResponse response;
+  return FromGrpcStatus(stub_->ForkSequence(context.get(), request, &response));
+}
+
+absl::Status Client::ReleaseSequence(uint64_t sequence_id) {
+  auto context = NewContext();
+  v1::ReleaseSequenceRequest request;
+  request.set_sequence_id(sequence_id);
+  v1::ReleaseSequenceResponse response;
+  return FromGrpcStatus(stub_->ReleaseSequence(context.get(), request, &response));
+}
+
+absl::StatusOr<v1::GetStatsResponse> Client::GetStats() {
+  auto context = NewContext();
+  v1::GetStatsResponse response;
+  grpc::Status status = stub_->GetStats(context.get(), v1::GetStatsRequest(), &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+std::unique_ptr<DecodeStream> Client::OpenDecodeStream() {
+  auto context = std::make_unique<grpc::ClientContext>();
+  context->set_wait_for_ready(options_.wait_for_ready);
+  auto stream = stub_->DecodeStream(context.get());
+  return std::make_unique<DecodeStream>(std::move(context), std::move(stream));
+}
+
+}  // namespace pagedattn::client

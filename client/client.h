@@ -1,0 +1,95 @@
+// A small synchronous client of pagedattn.v1.PagedAttention: one channel with the message size
+// limits raised to match the server's, typed calls returning absl::Status(Or), and a
+// DecodeStream handle. Used by pagedattn-cli, the tests and the load generator (which may take
+// stub() for asynchronous calls).
+//
+// Thread-safe: any number of threads may call one Client concurrently (gRPC multiplexes them
+// on the channel). A DecodeStream is used by at most one writer and one reader thread.
+// Errors: the RPC's status, code for code (see proto/pagedattn/v1/pagedattn.proto).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/support/sync_stream.h"
+#include "pagedattn/v1/pagedattn.grpc.pb.h"
+
+namespace pagedattn::client {
+
+struct ClientOptions {
+  // Any gRPC target: "host:port", "dns:///name:port", "unix:/path".
+  std::string target = "127.0.0.1:50051";
+  // Send and receive limit; keep it >= the server's --max_message_bytes.
+  int64_t max_message_bytes = 64 << 20;
+  // Deadline of each unary call; zero or negative: none.
+  absl::Duration timeout = absl::Seconds(60);
+  // Wait for the channel to connect instead of failing fast with UNAVAILABLE.
+  bool wait_for_ready = false;
+};
+
+// grpc::Status -> absl::Status, code for code.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// A bidirectional DecodeStream. Responses come in request order.
+class DecodeStream {
+ public:
+  DecodeStream(std::unique_ptr<grpc::ClientContext> context,
+               std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> stream);
+  // False once the stream is broken (then Finish says why).
+  bool Write(const v1::DecodeRequest& request);
+  // False at the end of the stream.
+  bool Read(v1::DecodeResponse* response);
+  // Half-closes (if not yet done), lets the caller read what is left with Read, then Finish.
+  bool WritesDone();
+  // Half-closes if needed and returns the stream's final status; read every response first.
+  absl::Status Finish();
+  // Cancels the call.
+  void Cancel() { context_->TryCancel(); }
+
+ private:
+  std::unique_ptr<grpc::ClientContext> context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> stream_;
+  bool writes_done_ = false;
+};
+
+class Client {
+ public:
+  // Creates the channel (connecting lazily). INVALID_ARGUMENT for an empty target or a message
+  // limit outside [1 KiB, 2 GiB).
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+
+  // Blocks until the channel is connected; DEADLINE_EXCEEDED after `timeout`.
+  absl::Status WaitForConnected(absl::Duration timeout);
+
+  absl::StatusOr<v1::GetModelConfigResponse> GetModelConfig();
+  absl::Status CreateSequence(uint64_t sequence_id);
+  // k, v: bf16 [num_tokens, 4, 128] bytes each. Returns the committed length after the call.
+  absl::StatusOr<int64_t> AppendKV(uint64_t sequence_id, int32_t layer, int32_t num_tokens,
+                                   std::string k, std::string v);
+  absl::StatusOr<v1::DecodeResponse> Decode(const v1::DecodeRequest& request);
+  absl::Status ForkSequence(uint64_t parent_id, uint64_t child_id);
+  absl::Status ReleaseSequence(uint64_t sequence_id);
+  absl::StatusOr<v1::GetStatsResponse> GetStats();
+  // A stream with no deadline (the options' timeout does not apply).
+  std::unique_ptr<DecodeStream> OpenDecodeStream();
+
+  // A context with the options' deadline and wait-for-ready, for calls made through stub().
+  std::unique_ptr<grpc::ClientContext> NewContext() const;
+  v1::PagedAttention::Stub* stub() { return stub_.get(); }
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+
+ private:
+  Client(const ClientOptions& options, std::shared_ptr<grpc::Channel> channel);
+
+  const ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::PagedAttention::Stub> stub_;
+};
+
+}  // namespace pagedattn::client

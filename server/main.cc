@@ -1,0 +1,182 @@
+// pagedattn-server: flags -> Options, wiring (metrics, backend, engine, gRPC server, Prometheus
+// exposer) and signals. SIGTERM/SIGINT: health NOT_SERVING, stop accepting calls, let calls in
+// progress and queued work finish within --drain_timeout, shut down, exit 0.
+#include <pthread.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <exception>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "prometheus/exposer.h"
+#include "server/backend/backend.h"
+#include "server/backend/cpu_backend.h"
+#include "server/engine/engine.h"
+#include "server/metrics/metrics.h"
+#include "server/service/grpc_server.h"
+#if PAGEDATTN_HAVE_CUDA
+// The CUDA backend plugs in here: it provides CudaDeviceCount() and MakeCudaBackend().
+#include "server/backend/cuda_backend.h"
+#endif
+
+ABSL_FLAG(std::string, grpc_address, "127.0.0.1:50051",
+          "host:port for gRPC (insecure); port 0 picks a free port");
+ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9464",
+          "host:port for Prometheus /metrics; port 0 picks a free port; empty disables it");
+ABSL_FLAG(std::string, backend, "auto",
+          "auto|cpu|cuda: auto takes cuda when this build has the CUDA backend and a device is "
+          "present, else cpu");
+ABSL_FLAG(int64_t, num_pages, 4096, "KV pages per layer (64 tokens, 128 KiB of K+V each)");
+ABSL_FLAG(int32_t, num_layers, 1, "Layers in the KV pool");
+ABSL_FLAG(int32_t, max_batch_size, 64, "Most sequences per backend launch (and per Decode)");
+ABSL_FLAG(int64_t, max_queue_delay_us, 200, "Longest wait, in microseconds, to fill a batch");
+ABSL_FLAG(int32_t, max_queue_depth, 4096, "Work items waiting for a batch; more get UNAVAILABLE");
+ABSL_FLAG(int32_t, cpu_threads, 0, "CPU backend threads; 0 = one per hardware thread");
+ABSL_FLAG(int64_t, max_message_bytes, 64 << 20,
+          "gRPC send/receive limit per message; larger ones get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int32_t, stream_max_in_flight, 32, "DecodeStream requests in flight per stream");
+ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10),
+          "On SIGTERM/SIGINT, how long calls in progress and queued work may take to finish");
+
+namespace pagedattn {
+namespace {
+
+// Whether this build has a CUDA backend and a device is present.
+bool CudaBackendAvailable() {
+#if PAGEDATTN_HAVE_CUDA
+  return CudaDeviceCount() > 0;
+#else
+  return false;
+#endif
+}
+
+// The one place the backend is chosen. `choice` is auto, cpu or cuda.
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(std::string_view choice, int32_t cpu_threads) {
+  if (choice == "auto") choice = CudaBackendAvailable() ? "cuda" : "cpu";
+  if (choice == "cuda") {
+#if PAGEDATTN_HAVE_CUDA
+    if (!CudaBackendAvailable()) return absl::FailedPreconditionError("--backend=cuda: no CUDA device");
+    return MakeCudaBackend();
+#else
+    return absl::FailedPreconditionError(
+        "--backend=cuda: this build has no CUDA backend (built without nvcc or with "
+        "-DPAGEDATTN_ENABLE_CUDA=OFF); use --backend=cpu or auto");
+#endif
+  }
+  if (choice == "cpu") {
+    CpuBackend::Options options;
+    options.num_threads = cpu_threads > 0
+                              ? cpu_threads
+                              : static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
+    absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create(options);
+    if (!cpu.ok()) return cpu.status();
+    return std::unique_ptr<Backend>(*std::move(cpu));
+  }
+  return absl::InvalidArgumentError(absl::StrCat("--backend must be auto, cpu or cuda, got ", std::string(choice)));
+}
+
+int Fail(std::string_view what, const absl::Status& status) {
+  std::cerr << "pagedattn-server: " << what << ": " << status << std::endl;
+  return 1;
+}
+
+int Serve() {
+  // Block the shutdown signals in every thread (the ones started below inherit the mask); the
+  // main thread takes them with sigwait.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  Metrics metrics;
+  std::unique_ptr<prometheus::Exposer> exposer;
+  int metrics_port = 0;
+  const std::string metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  if (!metrics_address.empty()) {
+    try {
+      exposer = std::make_unique<prometheus::Exposer>(metrics_address);
+    } catch (const std::exception& e) {
+      return Fail("metrics", absl::UnavailableError(absl::StrCat("cannot listen on ", metrics_address,
+                                                                 ": ", e.what())));
+    }
+    exposer->RegisterCollectable(metrics.registry());
+    const std::vector<int> ports = exposer->GetListeningPorts();
+    metrics_port = ports.empty() ? 0 : ports.front();
+  }
+
+  absl::StatusOr<std::unique_ptr<Backend>> backend =
+      MakeBackend(absl::GetFlag(FLAGS_backend), absl::GetFlag(FLAGS_cpu_threads));
+  if (!backend.ok()) return Fail("backend", backend.status());
+  const std::string backend_name((*backend)->name());
+
+  Engine::Options engine_options;
+  engine_options.num_layers = absl::GetFlag(FLAGS_num_layers);
+  engine_options.num_pages = absl::GetFlag(FLAGS_num_pages);
+  engine_options.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
+  engine_options.max_queue_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_queue_delay_us));
+  engine_options.max_queue_depth = absl::GetFlag(FLAGS_max_queue_depth);
+  absl::StatusOr<std::unique_ptr<Engine>> engine =
+      Engine::Create(engine_options, *std::move(backend), &metrics);
+  if (!engine.ok()) return Fail("engine", engine.status());
+
+  GrpcServer::Options server_options;
+  server_options.address = absl::GetFlag(FLAGS_grpc_address);
+  server_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  server_options.stream_max_in_flight = absl::GetFlag(FLAGS_stream_max_in_flight);
+  absl::StatusOr<std::unique_ptr<GrpcServer>> server =
+      GrpcServer::Start(server_options, engine->get(), &metrics);
+  if (!server.ok()) {
+    (*engine)->Shutdown(absl::ZeroDuration());
+    return Fail("grpc", server.status());
+  }
+
+  const ModelConfig config = (*engine)->config();
+  const std::string grpc_host = server_options.address.substr(0, server_options.address.rfind(':'));
+  const std::string metrics_host = metrics_address.substr(0, metrics_address.rfind(':'));
+  const double pool_gib = 2.0 * config.num_layers * static_cast<double>(config.num_pages) *
+                          config.page_size * config.num_kv_heads * config.head_dim * 2 / (1 << 30);
+  std::cout << "pagedattn-server: backend " << backend_name << ", pool " << config.num_layers
+            << " layer(s) x " << config.num_pages << " pages (" << pool_gib << " GiB of K+V), "
+            << "max_batch_size " << config.max_batch_size << std::endl;
+  // Tests and scripts read the ports from this line.
+  std::cout << "pagedattn-server: serving grpc=" << grpc_host << ":" << (*server)->port()
+            << " metrics="
+            << (metrics_address.empty() ? std::string("off")
+                                        : absl::StrCat(metrics_host, ":", metrics_port))
+            << std::endl;
+
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout);
+  std::cout << "pagedattn-server: signal " << signal_number << ", draining for up to "
+            << absl::FormatDuration(drain) << std::endl;
+  const absl::Time deadline = absl::Now() + drain;
+  (*server)->Shutdown(deadline);
+  (*engine)->Shutdown(std::max(absl::ZeroDuration(), deadline - absl::Now()));
+  const EngineStats stats = (*engine)->GetStats();
+  std::cout << "pagedattn-server: stopped after " << stats.batches << " batches" << std::endl;
+  return 0;
+}
+
+}  // namespace
+}  // namespace pagedattn
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("pagedattn-server [flags]: the paged KV cache and decode service");
+  absl::ParseCommandLine(argc, argv);
+  return pagedattn::Serve();
+}
