@@ -1,0 +1,104 @@
+// Backend: owns the KV pool memory and runs batches on it (CPU threads, or a CUDA device).
+//
+// The pool holds K and V for every layer, [num_layers][num_pages][64][4][128] bf16 each, and is
+// addressed as one cache of num_layers * num_pages pages: pool page = layer * num_pages + page.
+// Init allocates it, and every staging buffer the backend needs, once; nothing is allocated per
+// batch afterwards (a CUDA backend pins its staging memory).
+//
+// A batch runs in three phases, in this order:
+//   1. page_copies: copy on write, page src -> page dst in every layer, K and V;
+//   2. writes: each token's K and V rows into its slot (a CUDA backend stages them in pinned
+//      memory and scatters them with one copy and one kernel);
+//   3. attention over `plan` (skipped when plan.batch_size() == 0).
+// Batches run in launch order: a batch's copies and writes never overtake the reads of a batch
+// launched before it (one CUDA stream gives this).
+//
+// Pipelining: the engine keeps at most max_in_flight() batches launched and not yet waited,
+// calls Wait in launch order, and keeps every input a batch points to (and its output rows)
+// alive until Wait returns. Launch may return as soon as the work is enqueued; the CPU backend
+// computes inside Launch. Both calls come from one thread (the engine's executor).
+//
+// Errors: Launch and Wait return INTERNAL on a device (or malformed batch) error and must never
+// hang; the engine then fails the batch's requests and reports itself unhealthy for good.
+// No CUDA types here: the service builds the same with and without nvcc.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "server/batch/planner.h"
+#include "server/kv/kv_types.h"
+
+namespace pagedattn {
+
+// K and V rows of a run of tokens, written into consecutive entries of BackendBatch::write_slots.
+struct TokenWrite {
+  const uint16_t* k = nullptr;  // [num_tokens, 4, 128] bf16, host memory
+  const uint16_t* v = nullptr;  // [num_tokens, 4, 128] bf16, host memory
+  int32_t num_tokens = 0;
+  int64_t slot_begin = 0;       // index of the first token's slot in write_slots
+};
+
+// One launch. Filled by the engine (inputs) and the backend (outputs).
+struct BackendBatch {
+  // Phase 1.
+  std::vector<PageCopy> page_copies;
+  // Phase 2. A slot is pool page * 64 + offset in the page: (layer * num_pages + page) * 64 + t.
+  std::vector<TokenWrite> writes;
+  std::vector<int64_t> write_slots;  // one per written token
+  // Phase 3: sequence b of the plan reads q[b] and writes output[b] and lse[b].
+  Plan plan;
+  std::vector<const uint16_t*> q;  // [batch_size] -> [24, 128] bf16, host memory
+  float sm_scale = 0.0f;           // the scale itself, never 0 when batch_size > 0
+  std::vector<uint16_t*> output;   // [batch_size] -> [24, 128] bf16, host memory, filled by Wait
+  std::vector<float*> lse;         // [batch_size] -> [24] fp32 base 2, host memory, filled by Wait
+
+  // Set by the backend when Wait returns OK: seconds the attention took (0 without attention).
+  double kernel_seconds = 0.0;
+
+  bool empty() const { return page_copies.empty() && writes.empty() && plan.batch_size() == 0; }
+  void Clear() {
+    page_copies.clear();
+    writes.clear();
+    write_slots.clear();
+    plan.Clear();
+    q.clear();
+    sm_scale = 0.0f;
+    output.clear();
+    lse.clear();
+    kernel_seconds = 0.0;
+  }
+};
+
+class Backend {
+ public:
+  struct PoolShape {
+    int32_t num_layers = 1;      // > 0
+    int64_t num_pages = 0;       // per layer, > 0; num_layers * num_pages <= INT32_MAX
+    int32_t max_batch_size = 0;  // sequences per launch (plan.batch_size() never exceeds it)
+  };
+
+  virtual ~Backend() = default;
+
+  // "cpu" or "cuda".
+  virtual std::string_view name() const = 0;
+
+  // Allocates the pool and the staging buffers; called once, before any Launch.
+  // INVALID_ARGUMENT for a bad shape, RESOURCE_EXHAUSTED when the memory is not there,
+  // FAILED_PRECONDITION when called twice.
+  virtual absl::Status Init(const PoolShape& shape) = 0;
+
+  // How many batches may be launched and not yet waited; >= 1.
+  virtual int32_t max_in_flight() const = 0;
+
+  // Starts (or, synchronously, runs) the batch. On error nothing needs waiting.
+  virtual absl::Status Launch(BackendBatch* batch) = 0;
+
+  // Blocks until the batch launched earliest and not yet waited (which is `batch`) is done:
+  // its output and lse rows and kernel_seconds are filled.
+  virtual absl::Status Wait(BackendBatch* batch) = 0;
+};
+
+}  // namespace pagedattn

@@ -1,0 +1,158 @@
+#include "server/backend/cpu_backend.h"
+
+#include <chrono>
+#include <cstring>
+#include <limits>
+#include <new>
+
+#include "absl/strings/str_cat.h"
+#include "pagedattn/kernels/decode.h"
+
+namespace pagedattn {
+
+namespace k = kernels;
+
+absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const Options& options) {
+  absl::StatusOr<std::unique_ptr<ThreadPool>> threads =
+      ThreadPool::Create({.num_threads = options.num_threads});
+  if (!threads.ok()) return threads.status();
+  return std::unique_ptr<CpuBackend>(new CpuBackend(std::move(*threads)));
+}
+
+absl::Status CpuBackend::Init(const PoolShape& shape) {
+  if (initialized_) return absl::FailedPreconditionError("backend already initialized");
+  if (shape.num_layers <= 0 || shape.num_pages <= 0 || shape.max_batch_size <= 0) {
+    return absl::InvalidArgumentError("num_layers, num_pages and max_batch_size must be > 0");
+  }
+  const int64_t pool_pages = int64_t{shape.num_layers} * shape.num_pages;
+  if (pool_pages > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError("num_layers * num_pages must fit in int32");
+  }
+  const int64_t elems = pool_pages * k::kPageElems;
+  // Default-initialized: the OS maps pages as they are first written.
+  k_pool_.reset(new (std::nothrow) uint16_t[elems]);
+  v_pool_.reset(new (std::nothrow) uint16_t[elems]);
+  if (k_pool_ == nullptr || v_pool_ == nullptr) {
+    k_pool_.reset();
+    v_pool_.reset();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate the KV pool: 2 x ", elems * 2, " bytes"));
+  }
+  q_staging_.resize(int64_t{shape.max_batch_size} * k::kQueryElems);
+  out_staging_.resize(int64_t{shape.max_batch_size} * k::kQueryElems);
+  lse_staging_.resize(int64_t{shape.max_batch_size} * k::kNumQoHeads);
+  shape_ = shape;
+  pool_pages_ = pool_pages;
+  initialized_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Validate(const BackendBatch& batch) const {
+  if (!initialized_) return absl::FailedPreconditionError("backend not initialized");
+  for (const PageCopy& c : batch.page_copies) {
+    if (c.src < 0 || c.src >= shape_.num_pages || c.dst < 0 || c.dst >= shape_.num_pages) {
+      return absl::InternalError(absl::StrCat("page copy ", c.src, " -> ", c.dst, " out of range"));
+    }
+  }
+  const int64_t slots = pool_pages_ * k::kPageSize;
+  for (const TokenWrite& w : batch.writes) {
+    if (w.num_tokens < 0 || w.slot_begin < 0 ||
+        w.slot_begin + w.num_tokens > static_cast<int64_t>(batch.write_slots.size()) ||
+        (w.num_tokens > 0 && (w.k == nullptr || w.v == nullptr))) {
+      return absl::InternalError("malformed token write");
+    }
+  }
+  for (int64_t s : batch.write_slots) {
+    if (s < 0 || s >= slots) return absl::InternalError(absl::StrCat("slot ", s, " out of range"));
+  }
+  const Plan& plan = batch.plan;
+  const int32_t b = plan.batch_size();
+  if (b > shape_.max_batch_size) {
+    return absl::InternalError(absl::StrCat("batch of ", b, " > max_batch_size"));
+  }
+  if (static_cast<int32_t>(plan.kv_indptr.size()) != b + 1 || plan.kv_indptr[0] != 0 ||
+      plan.kv_indptr[b] != static_cast<int64_t>(plan.kv_indices.size()) ||
+      static_cast<int32_t>(batch.q.size()) != b || static_cast<int32_t>(batch.output.size()) != b ||
+      static_cast<int32_t>(batch.lse.size()) != b) {
+    return absl::InternalError("malformed plan");
+  }
+  for (int32_t i = 0; i < b; ++i) {
+    if (plan.kv_indptr[i + 1] < plan.kv_indptr[i] || plan.kv_last_page_len[i] < 1 ||
+        plan.kv_last_page_len[i] > k::kPageSize || batch.q[i] == nullptr ||
+        batch.output[i] == nullptr || batch.lse[i] == nullptr) {
+      return absl::InternalError("malformed plan");
+    }
+  }
+  for (int32_t page : plan.kv_indices) {
+    if (page < 0 || page >= pool_pages_) {
+      return absl::InternalError(absl::StrCat("pool page ", page, " out of range"));
+    }
+  }
+  if (b > 0 && !(batch.sm_scale > 0.0f)) return absl::InternalError("sm_scale must be > 0");
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Run(BackendBatch* batch) {
+  if (absl::Status s = Validate(*batch); !s.ok()) return s;
+  const int64_t layer_stride = shape_.num_pages * k::kPageElems;
+  constexpr size_t kPageBytes = k::kPageElems * sizeof(uint16_t);
+  for (const PageCopy& c : batch->page_copies) {
+    for (int32_t layer = 0; layer < shape_.num_layers; ++layer) {
+      const int64_t src = layer * layer_stride + c.src * k::kPageElems;
+      const int64_t dst = layer * layer_stride + c.dst * k::kPageElems;
+      std::memcpy(k_pool_.get() + dst, k_pool_.get() + src, kPageBytes);
+      std::memcpy(v_pool_.get() + dst, v_pool_.get() + src, kPageBytes);
+    }
+  }
+  constexpr size_t kRowBytes = k::kTokenElems * sizeof(uint16_t);
+  for (const TokenWrite& w : batch->writes) {
+    for (int32_t t = 0; t < w.num_tokens; ++t) {
+      const int64_t dst = batch->write_slots[w.slot_begin + t] * k::kTokenElems;
+      std::memcpy(k_pool_.get() + dst, w.k + t * k::kTokenElems, kRowBytes);
+      std::memcpy(v_pool_.get() + dst, w.v + t * k::kTokenElems, kRowBytes);
+    }
+  }
+  batch->kernel_seconds = 0.0;
+  const int32_t b = batch->plan.batch_size();
+  if (b == 0) return absl::OkStatus();
+
+  for (int32_t i = 0; i < b; ++i) {
+    std::memcpy(q_staging_.data() + i * k::kQueryElems, batch->q[i],
+                k::kQueryElems * sizeof(uint16_t));
+  }
+  k::DecodeArgs args;
+  args.q = q_staging_.data();
+  args.k_cache = k_pool_.get();
+  args.v_cache = v_pool_.get();
+  args.kv_indptr = batch->plan.kv_indptr.data();
+  args.kv_indices = batch->plan.kv_indices.data();
+  args.kv_last_page_len = batch->plan.kv_last_page_len.data();
+  args.output = out_staging_.data();
+  args.lse = lse_staging_.data();
+  args.batch_size = b;
+  args.num_pages = pool_pages_;
+  args.sm_scale = batch->sm_scale;
+
+  const auto start = std::chrono::steady_clock::now();
+  threads_->ParallelFor(k::DecodeCpuNumItems(args),
+                        [&args](int64_t item) { k::DecodeCpuItems(args, item, item + 1); });
+  batch->kernel_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  for (int32_t i = 0; i < b; ++i) {
+    std::memcpy(batch->output[i], out_staging_.data() + i * k::kQueryElems,
+                k::kQueryElems * sizeof(uint16_t));
+    std::memcpy(batch->lse[i], lse_staging_.data() + i * k::kNumQoHeads,
+                k::kNumQoHeads * sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Launch(BackendBatch* batch) {
+  last_launch_ = Run(batch);
+  return last_launch_;
+}
+
+absl::Status CpuBackend::Wait(BackendBatch* /*batch*/) { return last_launch_; }
+
+}  // namespace pagedattn

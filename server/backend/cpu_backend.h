@@ -1,0 +1,54 @@
+// CpuBackend: the KV pool in host memory and the exact CPU attention (kernels::DecodeCpuItems),
+// spread over a fixed thread pool. Computes inside Launch; Wait only reports.
+//
+// Construct with CpuBackend::Create({.num_threads = N}) and hand it to Engine::Create, which
+// calls Init with the pool shape. Used from one thread at a time (the engine's executor).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "server/backend/backend.h"
+#include "server/backend/thread_pool.h"
+
+namespace pagedattn {
+
+class CpuBackend final : public Backend {
+ public:
+  struct Options {
+    int32_t num_threads = 1;  // threads computing attention (the engine's executor included)
+  };
+
+  // INVALID_ARGUMENT for bad options. Starts the threads; the pool comes with Init.
+  static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(const Options& options);
+
+  std::string_view name() const override { return "cpu"; }
+  absl::Status Init(const PoolShape& shape) override;
+  int32_t max_in_flight() const override { return 1; }
+  absl::Status Launch(BackendBatch* batch) override;
+  absl::Status Wait(BackendBatch* batch) override;
+
+  int32_t num_threads() const { return threads_->num_threads(); }
+
+ private:
+  explicit CpuBackend(std::unique_ptr<ThreadPool> threads) : threads_(std::move(threads)) {}
+  absl::Status Validate(const BackendBatch& batch) const;
+  absl::Status Run(BackendBatch* batch);
+
+  std::unique_ptr<ThreadPool> threads_;
+  PoolShape shape_;
+  bool initialized_ = false;
+  int64_t pool_pages_ = 0;              // num_layers * num_pages
+  std::unique_ptr<uint16_t[]> k_pool_;  // [num_layers * num_pages, 64, 4, 128] bf16
+  std::unique_ptr<uint16_t[]> v_pool_;
+  std::vector<uint16_t> q_staging_;     // [max_batch_size, 24, 128]
+  std::vector<uint16_t> out_staging_;   // [max_batch_size, 24, 128]
+  std::vector<float> lse_staging_;      // [max_batch_size, 24]
+  absl::Status last_launch_;            // what Wait reports
+};
+
+}  // namespace pagedattn

@@ -1,0 +1,56 @@
+// ThreadPool: a fixed set of threads that run one parallel loop at a time.
+//
+// ParallelFor(n, fn) calls fn(i) for every i in [0, n), spread over the workers and the calling
+// thread, and returns when all are done. Calls from several threads are serialized. Threads are
+// started by Create and joined by the destructor; none are created per call.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+
+namespace pagedattn {
+
+class ThreadPool {
+ public:
+  struct Options {
+    int32_t num_threads = 1;  // threads computing a loop, the caller included; 1..1024
+  };
+
+  // INVALID_ARGUMENT for bad options.
+  static absl::StatusOr<std::unique_ptr<ThreadPool>> Create(const Options& options);
+  ~ThreadPool();
+
+  int32_t num_threads() const { return static_cast<int32_t>(workers_.size()) + 1; }
+  void ParallelFor(int64_t n, absl::FunctionRef<void(int64_t)> fn);
+
+ private:
+  struct Loop {
+    absl::FunctionRef<void(int64_t)> fn;
+    int64_t n;
+    std::atomic<int64_t> next{0};
+  };
+
+  ThreadPool() = default;
+  void WorkerMain();
+  static void RunShare(Loop* loop);
+
+  absl::Mutex call_mu_;  // serializes ParallelFor calls
+  absl::Mutex mu_;
+  absl::CondVar work_cv_;
+  absl::CondVar done_cv_;
+  Loop* loop_ ABSL_GUARDED_BY(mu_) = nullptr;
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+  int32_t busy_workers_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace pagedattn

@@ -1,0 +1,56 @@
+// Planner: the kernel's index tables (kv_indptr / kv_indices / kv_last_page_len) for a batch.
+//
+// The pool is one cache over all layers: pool page index = layer * num_pages + page, so one
+// launch can mix sequences at different layers. Stateless apart from its options; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace pagedattn {
+
+// The index tables of one launch, in the layout of kernels::DecodeArgs.
+struct Plan {
+  std::vector<int32_t> kv_indptr{0};       // [batch_size + 1], kv_indptr[0] = 0
+  std::vector<int32_t> kv_indices;         // [kv_indptr[batch_size]], pool page indices
+  std::vector<int32_t> kv_last_page_len;   // [batch_size], 1..64 (1 for a sequence with no tokens)
+
+  int32_t batch_size() const { return static_cast<int32_t>(kv_last_page_len.size()); }
+  void Clear() {
+    kv_indptr.assign(1, 0);
+    kv_indices.clear();
+    kv_last_page_len.clear();
+  }
+};
+
+class Planner {
+ public:
+  struct Options {
+    int32_t num_layers = 1;  // > 0
+    int64_t num_pages = 0;   // per layer, > 0; num_layers * num_pages <= INT32_MAX
+  };
+
+  // INVALID_ARGUMENT for bad options.
+  static absl::StatusOr<std::unique_ptr<Planner>> Create(const Options& options);
+
+  int64_t PoolPage(int32_t layer, int32_t page) const {
+    return int64_t{layer} * options_.num_pages + page;
+  }
+
+  // Appends one sequence to *plan: its first ceil(tokens / 64) pages (page ids per layer, in
+  // token order) at `layer`. INVALID_ARGUMENT when the layer or a page is out of range or there
+  // are too few pages for `tokens`; *plan is unchanged then.
+  absl::Status AddSequence(int32_t layer, absl::Span<const int32_t> pages, int64_t tokens,
+                           Plan* plan) const;
+
+ private:
+  explicit Planner(const Options& options) : options_(options) {}
+  const Options options_;
+};
+
+}  // namespace pagedattn

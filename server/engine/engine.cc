@@ -1,0 +1,595 @@
+#include "server/engine/engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <limits>
+#include <thread>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "pagedattn/kernels/decode.h"
+#include "server/backend/backend.h"
+#include "server/batch/batcher.h"
+#include "server/batch/planner.h"
+#include "server/kv/block_allocator.h"
+#include "server/kv/sequence_table.h"
+#include "server/metrics/metrics.h"
+
+namespace pagedattn {
+
+namespace k = kernels;
+
+namespace {
+
+constexpr int64_t kQueryBytes = k::kQueryElems * sizeof(uint16_t);
+constexpr int64_t kTokenBytes = k::kTokenElems * sizeof(uint16_t);
+constexpr int64_t kLseBytes = k::kNumQoHeads * sizeof(float);
+
+// A queued Decode or Append, with its result once applied.
+struct WorkItem final : BatchItem {
+  bool is_decode = true;
+  DecodeWork decode;
+  Engine::DecodeDone decode_done;
+  AppendWork append;
+  Engine::AppendDone append_done;
+
+  absl::Status status;      // the item's outcome (OK: computed with the batch)
+  bool in_launch = false;   // part of the backend batch
+  DecodeOutput output;      // decode result
+  int64_t length = 0;       // append result: committed length after
+
+  const CancelFlag& cancelled() const { return is_decode ? decode.cancelled : append.cancelled; }
+  absl::Time deadline() const { return is_decode ? decode.deadline : append.deadline; }
+
+  void Complete() {
+    if (is_decode) {
+      if (!decode_done) return;
+      if (status.ok()) {
+        decode_done(std::move(output));
+      } else {
+        decode_done(status);
+      }
+    } else {
+      if (!append_done) return;
+      if (status.ok()) {
+        append_done(length);
+      } else {
+        append_done(status);
+      }
+    }
+  }
+};
+
+// A batch taken from the batcher, applied, and (when it has work) launched.
+struct InFlight {
+  std::vector<std::unique_ptr<WorkItem>> items;
+  BackendBatch batch;
+  bool launched = false;
+};
+
+}  // namespace
+
+class Engine::Impl {
+ public:
+  Impl(const Options& options, std::unique_ptr<Backend> backend, Metrics* metrics)
+      : options_(options), backend_(std::move(backend)), metrics_(metrics) {}
+
+  absl::Status Init();
+  void Start() { executor_ = std::thread([this] { ExecutorMain(); }); }
+
+  ModelConfig config() const;
+  EngineStats GetStats() const;
+  absl::Status health() const;
+  absl::Status CreateSequence(uint64_t id);
+  absl::Status ForkSequence(uint64_t parent, uint64_t child);
+  absl::Status ReleaseSequence(uint64_t id);
+  void Decode(DecodeWork work, DecodeDone done);
+  void Append(AppendWork work, AppendDone done);
+  void Shutdown(absl::Duration drain_timeout);
+
+ private:
+  absl::Status ValidateDecode(const DecodeWork& work) const;
+  absl::Status ValidateAppend(const AppendWork& work) const;
+  // Admission: queues the item or completes it at once (UNAVAILABLE).
+  void Admit(std::unique_ptr<WorkItem> item);
+
+  void ExecutorMain();
+  // Applies a batch's items to the table (in order) and fills in->batch; launches it.
+  void Prepare(InFlight* in);
+  absl::Status ApplyDecode(WorkItem* item, BackendBatch* batch)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  absl::Status ApplyAppend(WorkItem* item, BackendBatch* batch)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // Waits for a launched batch and runs every item's callback, in order.
+  void Finish(InFlight* in);
+  void MarkUnhealthy(const absl::Status& error);
+  void PublishPoolLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  void PublishQueueDepth();
+  void Reject(std::string_view reason) {
+    if (metrics_ != nullptr) metrics_->RecordRejected(reason);
+  }
+
+  const Options options_;
+  const std::unique_ptr<Backend> backend_;
+  Metrics* const metrics_;
+  std::unique_ptr<Batcher> batcher_;
+  std::unique_ptr<Planner> planner_;
+
+  mutable absl::Mutex state_mu_;
+  std::unique_ptr<BlockAllocator> allocator_ ABSL_GUARDED_BY(state_mu_);
+  std::unique_ptr<SequenceTable> table_ ABSL_GUARDED_BY(state_mu_);
+
+  std::atomic<bool> shutting_down_{false};
+  std::atomic<int64_t> batches_{0};
+  std::atomic<int64_t> decoded_sequences_{0};
+  std::atomic<bool> healthy_{true};
+
+  mutable absl::Mutex mu_;
+  absl::Status health_ ABSL_GUARDED_BY(mu_);
+  absl::Time drain_deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+
+  absl::Mutex shutdown_mu_;  // held for the whole of Shutdown
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+  std::thread executor_;
+};
+
+absl::Status Engine::Impl::Init() {
+  absl::StatusOr<std::unique_ptr<BlockAllocator>> allocator =
+      BlockAllocator::Create({.num_pages = options_.num_pages});
+  if (!allocator.ok()) return allocator.status();
+  absl::StatusOr<std::unique_ptr<SequenceTable>> table =
+      SequenceTable::Create({.num_layers = options_.num_layers}, allocator->get());
+  if (!table.ok()) return table.status();
+  absl::StatusOr<std::unique_ptr<Planner>> planner =
+      Planner::Create({.num_layers = options_.num_layers, .num_pages = options_.num_pages});
+  if (!planner.ok()) return planner.status();
+  absl::StatusOr<std::unique_ptr<Batcher>> batcher =
+      Batcher::Create({.max_batch_size = options_.max_batch_size,
+                       .max_queue_delay = options_.max_queue_delay,
+                       .max_queue_depth = options_.max_queue_depth,
+                       .clock = nullptr});
+  if (!batcher.ok()) return batcher.status();
+  if (absl::Status s = backend_->Init({.num_layers = options_.num_layers,
+                                       .num_pages = options_.num_pages,
+                                       .max_batch_size = options_.max_batch_size});
+      !s.ok()) {
+    return s;
+  }
+  if (backend_->max_in_flight() < 1) {
+    return absl::InvalidArgumentError("backend max_in_flight must be >= 1");
+  }
+  planner_ = std::move(*planner);
+  batcher_ = std::move(*batcher);
+  absl::MutexLock lock(&state_mu_);
+  allocator_ = std::move(*allocator);
+  table_ = std::move(*table);
+  PublishPoolLocked();
+  if (metrics_ != nullptr) {
+    metrics_->SetBackendHealthy(true);
+    metrics_->SetQueueDepth(0);
+  }
+  return absl::OkStatus();
+}
+
+ModelConfig Engine::Impl::config() const {
+  ModelConfig c;
+  c.num_qo_heads = k::kNumQoHeads;
+  c.num_kv_heads = k::kNumKvHeads;
+  c.head_dim = k::kHeadDim;
+  c.page_size = k::kPageSize;
+  c.num_layers = options_.num_layers;
+  c.num_pages = options_.num_pages;
+  c.max_batch_size = options_.max_batch_size;
+  c.backend = std::string(backend_->name());
+  return c;
+}
+
+EngineStats Engine::Impl::GetStats() const {
+  EngineStats s;
+  {
+    absl::MutexLock lock(&state_mu_);
+    s.pages_total = allocator_->num_pages();
+    s.pages_free = allocator_->num_free();
+    s.sequences = table_->num_sequences();
+    s.tokens = table_->total_tokens();
+  }
+  s.queue_depth = batcher_->depth();
+  s.batches = batches_.load();
+  s.decoded_sequences = decoded_sequences_.load();
+  s.healthy = healthy_.load();
+  return s;
+}
+
+absl::Status Engine::Impl::health() const {
+  absl::MutexLock lock(&mu_);
+  return health_;
+}
+
+void Engine::Impl::MarkUnhealthy(const absl::Status& error) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (health_.ok()) {
+      health_ = absl::InternalError(absl::StrCat("backend error: ", error.message()));
+    }
+  }
+  healthy_.store(false);
+  if (metrics_ != nullptr) metrics_->SetBackendHealthy(false);
+}
+
+void Engine::Impl::PublishPoolLocked() {
+  if (metrics_ == nullptr) return;
+  metrics_->SetPool(allocator_->num_pages(), allocator_->num_free(), table_->num_sequences(),
+                    table_->total_tokens());
+}
+
+void Engine::Impl::PublishQueueDepth() {
+  if (metrics_ != nullptr) metrics_->SetQueueDepth(batcher_->depth());
+}
+
+absl::Status Engine::Impl::CreateSequence(uint64_t id) {
+  if (shutting_down_.load()) return absl::UnavailableError("shutting down");
+  absl::MutexLock lock(&state_mu_);
+  absl::Status s = table_->Add(id);
+  if (s.ok()) PublishPoolLocked();
+  return s;
+}
+
+absl::Status Engine::Impl::ForkSequence(uint64_t parent, uint64_t child) {
+  if (shutting_down_.load()) return absl::UnavailableError("shutting down");
+  absl::MutexLock lock(&state_mu_);
+  absl::Status s = table_->Fork(parent, child);
+  if (s.ok()) PublishPoolLocked();
+  return s;
+}
+
+absl::Status Engine::Impl::ReleaseSequence(uint64_t id) {
+  // Releasing stays possible while shutting down: it only returns pages.
+  absl::MutexLock lock(&state_mu_);
+  absl::Status s = table_->Remove(id);
+  if (s.ok()) PublishPoolLocked();
+  return s;
+}
+
+absl::Status Engine::Impl::ValidateDecode(const DecodeWork& w) const {
+  const int64_t b = static_cast<int64_t>(w.sequence_ids.size());
+  if (b == 0) return absl::InvalidArgumentError("Decode needs at least one sequence");
+  if (b > options_.max_batch_size) {
+    return absl::InvalidArgumentError(absl::StrCat("Decode of ", b, " sequences; max_batch_size is ",
+                                                   options_.max_batch_size));
+  }
+  if (w.layer < 0 || w.layer >= options_.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", w.layer, " out of range [0, ", options_.num_layers, ")"));
+  }
+  if (static_cast<int64_t>(w.q.size()) != b * kQueryBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("q has ", w.q.size(), " bytes, expected ",
+                                                   b * kQueryBytes));
+  }
+  if (w.k.empty() != w.v.empty()) {
+    return absl::InvalidArgumentError("k and v must both be given or both be empty");
+  }
+  if (!w.k.empty() && (static_cast<int64_t>(w.k.size()) != b * kTokenBytes ||
+                       static_cast<int64_t>(w.v.size()) != b * kTokenBytes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("k and v must have ", b * kTokenBytes, " bytes each"));
+  }
+  if (!std::isfinite(w.sm_scale) || w.sm_scale < 0.0f) {
+    return absl::InvalidArgumentError("sm_scale must be finite and >= 0");
+  }
+  absl::flat_hash_set<uint64_t> seen;
+  seen.reserve(b);
+  for (uint64_t id : w.sequence_ids) {
+    if (!seen.insert(id).second) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", id, " appears twice"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Impl::ValidateAppend(const AppendWork& w) const {
+  if (w.layer < 0 || w.layer >= options_.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", w.layer, " out of range [0, ", options_.num_layers, ")"));
+  }
+  if (w.num_tokens <= 0) return absl::InvalidArgumentError("num_tokens must be > 0");
+  const int64_t bytes = int64_t{w.num_tokens} * kTokenBytes;
+  if (static_cast<int64_t>(w.k.size()) != bytes || static_cast<int64_t>(w.v.size()) != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("k and v must have ", bytes, " bytes each"));
+  }
+  return absl::OkStatus();
+}
+
+void Engine::Impl::Decode(DecodeWork work, DecodeDone done) {
+  auto item = std::make_unique<WorkItem>();
+  item->is_decode = true;
+  item->status = ValidateDecode(work);
+  if (item->status.ok()) {
+    if (work.sm_scale == 0.0f) work.sm_scale = 1.0f / std::sqrt(static_cast<float>(k::kHeadDim));
+    item->num_sequences = static_cast<int32_t>(work.sequence_ids.size());
+    item->sm_scale = work.sm_scale;
+  }
+  item->decode = std::move(work);
+  item->decode_done = std::move(done);
+  if (!item->status.ok()) {
+    item->Complete();
+    return;
+  }
+  Admit(std::move(item));
+}
+
+void Engine::Impl::Append(AppendWork work, AppendDone done) {
+  auto item = std::make_unique<WorkItem>();
+  item->is_decode = false;
+  item->status = ValidateAppend(work);
+  item->num_sequences = 1;
+  item->sm_scale = 0.0f;
+  item->append = std::move(work);
+  item->append_done = std::move(done);
+  if (!item->status.ok()) {
+    item->Complete();
+    return;
+  }
+  Admit(std::move(item));
+}
+
+void Engine::Impl::Admit(std::unique_ptr<WorkItem> item) {
+  if (shutting_down_.load()) {
+    Reject("shutting_down");
+    item->status = absl::UnavailableError("shutting down");
+    item->Complete();
+    return;
+  }
+  std::unique_ptr<BatchItem> queued = std::move(item);
+  absl::Status s = batcher_->Enqueue(&queued);
+  if (!s.ok()) {
+    Reject(batcher_->closed() ? "shutting_down" : "queue_full");
+    auto* back = static_cast<WorkItem*>(queued.get());
+    back->status = s;
+    back->Complete();
+    return;
+  }
+  PublishQueueDepth();
+}
+
+void Engine::Impl::ExecutorMain() {
+  const size_t max_in_flight = static_cast<size_t>(backend_->max_in_flight());
+  std::deque<InFlight> in_flight;
+  std::vector<InFlight> spare;  // reused batches, so their vectors keep their capacity
+  while (true) {
+    Batcher::Batch taken;
+    if (in_flight.size() < max_in_flight) {
+      // Idle: wait for a full batch or the queue delay. Busy: take what is there now, so the
+      // next batch is ready when the running one finishes.
+      taken = in_flight.empty() ? batcher_->NextBatch() : batcher_->TakeAvailable();
+    }
+    if (!taken.empty()) {
+      PublishQueueDepth();
+      InFlight in;
+      if (!spare.empty()) {
+        in = std::move(spare.back());
+        spare.pop_back();
+      }
+      in.items.clear();
+      in.items.reserve(taken.size());
+      for (auto& t : taken) in.items.emplace_back(static_cast<WorkItem*>(t.release()));
+      Prepare(&in);
+      in_flight.push_back(std::move(in));
+      continue;
+    }
+    if (in_flight.empty()) {
+      if (batcher_->closed() && batcher_->depth() == 0) break;
+      continue;
+    }
+    Finish(&in_flight.front());
+    spare.push_back(std::move(in_flight.front()));
+    in_flight.pop_front();
+  }
+}
+
+void Engine::Impl::Prepare(InFlight* in) {
+  BackendBatch& batch = in->batch;
+  batch.Clear();
+  in->launched = false;
+  const absl::Time now = absl::Now();
+  for (auto& item : in->items) {
+    if (metrics_ != nullptr) metrics_->RecordQueueDuration(absl::ToDoubleSeconds(now - item->enqueue_time));
+  }
+  absl::Time drain_deadline;
+  {
+    absl::MutexLock lock(&mu_);
+    drain_deadline = drain_deadline_;
+  }
+  const bool healthy = healthy_.load();
+  {
+    absl::MutexLock lock(&state_mu_);
+    for (auto& item : in->items) {
+      if (!healthy) {
+        item->status = absl::InternalError("the backend failed earlier; the engine is unhealthy");
+      } else if (now >= drain_deadline) {
+        Reject("shutting_down");
+        item->status = absl::UnavailableError("shutting down: drain timeout passed");
+      } else if (item->cancelled() != nullptr && item->cancelled()->load()) {
+        Reject("cancelled");
+        item->status = absl::CancelledError("cancelled before it ran");
+      } else if (now >= item->deadline()) {
+        Reject("deadline_exceeded");
+        item->status = absl::DeadlineExceededError("deadline passed before the work ran");
+      } else {
+        item->status = item->is_decode ? ApplyDecode(item.get(), &batch)
+                                       : ApplyAppend(item.get(), &batch);
+        if (absl::IsResourceExhausted(item->status)) Reject("pool_exhausted");
+        item->in_launch = item->status.ok();
+      }
+    }
+    PublishPoolLocked();
+  }
+  if (batch.empty()) return;
+  absl::Status s = backend_->Launch(&batch);
+  if (!s.ok()) {
+    MarkUnhealthy(s);
+    for (auto& item : in->items) {
+      if (item->in_launch) item->status = s;
+    }
+    return;
+  }
+  in->launched = true;
+}
+
+absl::Status Engine::Impl::ApplyDecode(WorkItem* item, BackendBatch* batch) {
+  DecodeWork& w = item->decode;
+  const bool step = !w.k.empty();
+  // Check every sequence, and the pages all of them need, before changing anything.
+  int64_t needed = 0;
+  for (uint64_t id : w.sequence_ids) {
+    if (step) {
+      absl::StatusOr<int64_t> n = table_->CheckStep(id, w.layer, 1);
+      if (!n.ok()) return n.status();
+      needed += *n;
+    } else if (!table_->Contains(id)) {
+      return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
+    }
+  }
+  if (needed > allocator_->num_free()) {
+    return absl::ResourceExhaustedError(absl::StrCat("Decode needs ", needed, " free KV pages, ",
+                                                     allocator_->num_free(), " free"));
+  }
+  const int64_t b = static_cast<int64_t>(w.sequence_ids.size());
+  item->output.request_id = w.request_id;
+  item->output.output.resize(b * kQueryBytes);
+  item->output.lse.resize(b * kLseBytes);
+  const auto* q = reinterpret_cast<const uint16_t*>(w.q.data());
+  const auto* kk = reinterpret_cast<const uint16_t*>(w.k.data());
+  const auto* vv = reinterpret_cast<const uint16_t*>(w.v.data());
+  auto* out = reinterpret_cast<uint16_t*>(item->output.output.data());
+  auto* lse = reinterpret_cast<float*>(item->output.lse.data());
+  for (int64_t i = 0; i < b; ++i) {
+    const uint64_t id = w.sequence_ids[i];
+    int64_t tokens;
+    if (step) {
+      absl::StatusOr<SequenceTable::StepResult> r =
+          table_->ApplyStep(id, w.layer, 1, &batch->page_copies);
+      // Checked above, for all sequences together: failing here would be a bookkeeping bug.
+      if (!r.ok()) return absl::InternalError(absl::StrCat("step after check: ", r.status().message()));
+      absl::StatusOr<SequenceTable::View> view = table_->Get(id);
+      const int64_t pos = r->first_position;
+      batch->writes.push_back(TokenWrite{kk + i * k::kTokenElems, vv + i * k::kTokenElems, 1,
+                                         static_cast<int64_t>(batch->write_slots.size())});
+      batch->write_slots.push_back(
+          planner_->PoolPage(w.layer, view->pages[pos / k::kPageSize]) * k::kPageSize +
+          pos % k::kPageSize);
+      tokens = r->visible_tokens;
+    } else {
+      tokens = table_->Get(id)->length;
+    }
+    absl::StatusOr<SequenceTable::View> view = table_->Get(id);
+    if (absl::Status s = planner_->AddSequence(w.layer, view->pages, tokens, &batch->plan); !s.ok()) {
+      return absl::InternalError(s.message());
+    }
+    batch->q.push_back(q + i * k::kQueryElems);
+    batch->output.push_back(out + i * k::kQueryElems);
+    batch->lse.push_back(lse + i * k::kNumQoHeads);
+  }
+  batch->sm_scale = item->sm_scale;
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Impl::ApplyAppend(WorkItem* item, BackendBatch* batch) {
+  AppendWork& w = item->append;
+  absl::StatusOr<SequenceTable::StepResult> r =
+      table_->ApplyStep(w.sequence_id, w.layer, w.num_tokens, &batch->page_copies);
+  if (!r.ok()) return r.status();
+  absl::StatusOr<SequenceTable::View> view = table_->Get(w.sequence_id);
+  batch->writes.push_back(TokenWrite{reinterpret_cast<const uint16_t*>(w.k.data()),
+                                     reinterpret_cast<const uint16_t*>(w.v.data()), w.num_tokens,
+                                     static_cast<int64_t>(batch->write_slots.size())});
+  for (int64_t pos = r->first_position; pos < r->visible_tokens; ++pos) {
+    batch->write_slots.push_back(
+        planner_->PoolPage(w.layer, view->pages[pos / k::kPageSize]) * k::kPageSize +
+        pos % k::kPageSize);
+  }
+  item->length = r->length;
+  return absl::OkStatus();
+}
+
+void Engine::Impl::Finish(InFlight* in) {
+  BackendBatch& batch = in->batch;
+  if (in->launched) {
+    absl::Status s = backend_->Wait(&batch);
+    if (!s.ok()) {
+      MarkUnhealthy(s);
+      for (auto& item : in->items) {
+        if (item->in_launch) item->status = s;
+      }
+    } else {
+      batches_.fetch_add(1);
+      const int32_t b = batch.plan.batch_size();
+      decoded_sequences_.fetch_add(b);
+      if (metrics_ != nullptr && b > 0) metrics_->RecordBatch(b, batch.kernel_seconds);
+    }
+  }
+  for (auto& item : in->items) item->Complete();
+  in->items.clear();
+}
+
+void Engine::Impl::Shutdown(absl::Duration drain_timeout) {
+  absl::MutexLock lock(&shutdown_mu_);
+  if (shut_down_) return;
+  {
+    absl::MutexLock l(&mu_);
+    drain_deadline_ = absl::Now() + std::max(drain_timeout, absl::ZeroDuration());
+  }
+  shutting_down_.store(true);
+  batcher_->Close();
+  if (executor_.joinable()) executor_.join();
+  shut_down_ = true;
+  PublishQueueDepth();
+}
+
+// Engine: forwards to Impl.
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Options& options,
+                                                       std::unique_ptr<Backend> backend,
+                                                       Metrics* metrics) {
+  if (backend == nullptr) return absl::InvalidArgumentError("backend is null");
+  if (options.num_layers <= 0) return absl::InvalidArgumentError("num_layers must be > 0");
+  if (options.num_pages <= 0) return absl::InvalidArgumentError("num_pages must be > 0");
+  if (int64_t{options.num_layers} * options.num_pages > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError("num_layers * num_pages must be < 2^31");
+  }
+  if (options.max_batch_size <= 0) return absl::InvalidArgumentError("max_batch_size must be > 0");
+  if (options.max_queue_delay < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("max_queue_delay must be >= 0");
+  }
+  if (options.max_queue_depth <= 0) return absl::InvalidArgumentError("max_queue_depth must be > 0");
+  auto impl = std::make_unique<Impl>(options, std::move(backend), metrics);
+  if (absl::Status s = impl->Init(); !s.ok()) return s;
+  impl->Start();
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() { impl_->Shutdown(absl::ZeroDuration()); }
+
+ModelConfig Engine::config() const { return impl_->config(); }
+EngineStats Engine::GetStats() const { return impl_->GetStats(); }
+absl::Status Engine::health() const { return impl_->health(); }
+absl::Status Engine::CreateSequence(uint64_t id) { return impl_->CreateSequence(id); }
+absl::Status Engine::ForkSequence(uint64_t parent, uint64_t child) {
+  return impl_->ForkSequence(parent, child);
+}
+absl::Status Engine::ReleaseSequence(uint64_t id) { return impl_->ReleaseSequence(id); }
+void Engine::Decode(DecodeWork work, DecodeDone done) {
+  impl_->Decode(std::move(work), std::move(done));
+}
+void Engine::Append(AppendWork work, AppendDone done) {
+  impl_->Append(std::move(work), std::move(done));
+}
+void Engine::Shutdown(absl::Duration drain_timeout) { impl_->Shutdown(drain_timeout); }
+
+}  // namespace pagedattn

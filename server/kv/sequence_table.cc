@@ -1,0 +1,157 @@
+#include "server/kv/sequence_table.h"
+
+#include "absl/strings/str_cat.h"
+#include "pagedattn/kernels/decode.h"
+
+namespace pagedattn {
+namespace {
+
+constexpr int64_t kPageSize = kernels::kPageSize;
+
+int64_t PagesFor(int64_t tokens) { return (tokens + kPageSize - 1) / kPageSize; }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<SequenceTable>> SequenceTable::Create(const Options& options,
+                                                                     BlockAllocator* allocator) {
+  if (options.num_layers <= 0) return absl::InvalidArgumentError("num_layers must be > 0");
+  if (allocator == nullptr) return absl::InvalidArgumentError("allocator is null");
+  return std::unique_ptr<SequenceTable>(new SequenceTable(options.num_layers, allocator));
+}
+
+absl::Status SequenceTable::Add(uint64_t id) {
+  if (!sequences_.try_emplace(id).second) {
+    return absl::AlreadyExistsError(absl::StrCat("sequence ", id, " already exists"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SequenceTable::Fork(uint64_t parent, uint64_t child) {
+  auto it = sequences_.find(parent);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("parent sequence ", parent, " not found"));
+  }
+  if (sequences_.contains(child)) {
+    return absl::AlreadyExistsError(absl::StrCat("sequence ", child, " already exists"));
+  }
+  if (it->second.step_tokens != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", parent, " is mid-step (next layer ", it->second.next_layer,
+                     "): fork between steps"));
+  }
+  // Check every page first so that a failure (which would be a bookkeeping bug) changes nothing.
+  for (int32_t page : it->second.pages) {
+    if (allocator_->ref_count(page) <= 0) {
+      return absl::InternalError(absl::StrCat("sequence ", parent, " holds free page ", page));
+    }
+  }
+  Sequence copy = it->second;  // `it` may be invalidated by the insertion below
+  for (int32_t page : copy.pages) {
+    if (absl::Status s = allocator_->AddRef(page); !s.ok()) return s;
+  }
+  total_tokens_ += copy.length;
+  sequences_.emplace(child, std::move(copy));
+  return absl::OkStatus();
+}
+
+absl::Status SequenceTable::Remove(uint64_t id) {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
+  absl::Status result;
+  for (int32_t page : it->second.pages) {
+    if (absl::StatusOr<bool> freed = allocator_->Unref(page); !freed.ok()) result = freed.status();
+  }
+  total_tokens_ -= it->second.length;
+  sequences_.erase(it);
+  return result;
+}
+
+absl::StatusOr<SequenceTable::View> SequenceTable::Get(uint64_t id) const {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
+  const Sequence& seq = it->second;
+  return View{seq.pages, seq.length, seq.step_tokens, seq.next_layer};
+}
+
+bool SequenceTable::NeedsCopyOnWrite(const Sequence& seq) const {
+  return seq.length % kPageSize != 0 && allocator_->ref_count(seq.pages.back()) > 1;
+}
+
+absl::StatusOr<int64_t> SequenceTable::CheckStep(uint64_t id, int32_t layer,
+                                                 int32_t num_tokens) const {
+  if (layer < 0 || layer >= num_layers_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " out of range [0, ", num_layers_, ")"));
+  }
+  if (num_tokens <= 0) return absl::InvalidArgumentError("num_tokens must be > 0");
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
+  const Sequence& seq = it->second;
+  if (layer == 0) {
+    if (seq.step_tokens != 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence ", id, ": a step is in progress, expected layer ", seq.next_layer));
+    }
+    return PagesFor(seq.length + num_tokens) - static_cast<int64_t>(seq.pages.size()) +
+           (NeedsCopyOnWrite(seq) ? 1 : 0);
+  }
+  if (seq.step_tokens == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", id, ": layer ", layer, " before layer 0 of a step"));
+  }
+  if (seq.next_layer != layer) {
+    return absl::FailedPreconditionError(absl::StrCat("sequence ", id, ": layer ", layer,
+                                                      " out of order, expected ", seq.next_layer));
+  }
+  if (seq.step_tokens != num_tokens) {
+    return absl::FailedPreconditionError(absl::StrCat("sequence ", id, ": step of ",
+                                                      seq.step_tokens, " tokens, got ", num_tokens,
+                                                      " at layer ", layer));
+  }
+  return 0;
+}
+
+absl::StatusOr<SequenceTable::StepResult> SequenceTable::ApplyStep(uint64_t id, int32_t layer,
+                                                                   int32_t num_tokens,
+                                                                   std::vector<PageCopy>* copies) {
+  absl::StatusOr<int64_t> needed = CheckStep(id, layer, num_tokens);
+  if (!needed.ok()) return needed.status();
+  if (*needed > allocator_->num_free()) {
+    return absl::ResourceExhaustedError(absl::StrCat("sequence ", id, ": need ", *needed,
+                                                     " free KV pages, ", allocator_->num_free(),
+                                                     " free"));
+  }
+  Sequence& seq = sequences_.find(id)->second;
+  if (layer == 0) {
+    const bool cow = NeedsCopyOnWrite(seq);
+    std::vector<int32_t> fresh;
+    fresh.reserve(*needed);
+    if (absl::Status s = allocator_->Allocate(*needed, &fresh); !s.ok()) return s;
+    size_t next = 0;
+    if (cow) {
+      const int32_t shared = seq.pages.back();
+      const int32_t copy = fresh[next++];
+      copies->push_back(PageCopy{shared, copy});
+      // The page was shared (count > 1), so this only drops our reference.
+      (void)allocator_->Unref(shared);
+      seq.pages.back() = copy;
+    }
+    seq.pages.insert(seq.pages.end(), fresh.begin() + next, fresh.end());
+    seq.step_tokens = num_tokens;
+  }
+  StepResult result;
+  result.first_position = seq.length;
+  result.visible_tokens = seq.length + num_tokens;
+  if (layer == num_layers_ - 1) {
+    seq.length += num_tokens;
+    total_tokens_ += num_tokens;
+    seq.step_tokens = 0;
+    seq.next_layer = 0;
+  } else {
+    seq.next_layer = layer + 1;
+  }
+  result.length = seq.length;
+  return result;
+}
+
+}  // namespace pagedattn
