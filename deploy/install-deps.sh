@@ -3,9 +3,18 @@
 # The one list of dependencies: the README, .ci/run and deploy/Dockerfile all call this script.
 # Idempotent: packages already present are skipped by apt; the index is refreshed only when
 # something is missing.
-#   usage: deploy/install-deps.sh [--build-only]
+#   usage: deploy/install-deps.sh [--build-only | --runtime]
+#     (none)         build, test and deploy-check tools
 #     --build-only   only what compiling needs (the Dockerfile's build stage)
+#     --runtime      only the shared libraries that pagedattn-server, pagedattn-cli and
+#                    pagedattn-health load (the Dockerfile's runtime stage)
 set -euo pipefail
+
+mode="${1:-}"
+case "$mode" in
+  ""|--build-only|--runtime) ;;
+  *) echo "usage: $0 [--build-only | --runtime]" >&2; exit 2 ;;
+esac
 
 build_pkgs=(
   build-essential cmake pkg-config git
@@ -14,14 +23,35 @@ build_pkgs=(
   libgtest-dev libgmock-dev libbenchmark-dev
 )
 test_pkgs=(
-  prometheus python3 python3-grpcio python3-protobuf
+  prometheus python3 python3-grpcio python3-protobuf python3-yaml
   docker-compose openssl curl procps
+  nodejs
 )
+# The deploy checks (tests/deploy) install their npm packages from deploy/lint's lockfile.
+# Debian's nodejs comes without npm; NodeSource's bundles it (and conflicts with Debian's npm).
+command -v npm >/dev/null 2>&1 || test_pkgs+=(npm)
 
-pkgs=("${build_pkgs[@]}")
-if [[ "${1:-}" != "--build-only" ]]; then
-  pkgs+=("${test_pkgs[@]}")
-fi
+# The runtime libraries (their own dependencies come with them). Ubuntu 24.04 renamed several
+# for the 64-bit time_t transition.
+. /etc/os-release
+case "${VERSION_CODENAME:-}" in
+  bookworm) runtime_pkgs=(libgrpc++1.51 libprotobuf32 libabsl20220623) ;;
+  noble) runtime_pkgs=(libgrpc++1.51t64 libprotobuf32t64 libabsl20220623t64) ;;
+  *)
+    if [[ "$mode" == --runtime ]]; then
+      echo "install-deps: --runtime knows Debian 12 (bookworm) and Ubuntu 24.04 (noble)," \
+           "not '${VERSION_CODENAME:-unknown}'" >&2
+      exit 1
+    fi
+    runtime_pkgs=() ;;
+esac
+runtime_pkgs+=(libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0)
+
+case "$mode" in
+  --runtime) pkgs=("${runtime_pkgs[@]}") ;;
+  --build-only) pkgs=("${build_pkgs[@]}") ;;
+  *) pkgs=("${build_pkgs[@]}" "${test_pkgs[@]}") ;;
+esac
 
 missing=()
 for p in "${pkgs[@]}"; do
