@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "server/metrics/metrics.h"
+#include "server/service/call_counter.h"
 #include "server/service/status.h"
 #include "server/service/unary_call.h"
 #include "server/service/validation.h"
@@ -14,10 +15,12 @@ constexpr std::string_view kMethod = "DecodeStream";
 }  // namespace
 
 DecodeStreamReactor::DecodeStreamReactor(grpc::CallbackServerContext* context, Engine* engine,
-                                         ModelConfig config, Metrics* metrics, int32_t max_in_flight)
+                                         ModelConfig config, Metrics* metrics, CallCounter* calls,
+                                         int32_t max_in_flight)
     : engine_(engine),
       config_(std::move(config)),
       metrics_(metrics),
+      calls_(calls),
       max_in_flight_(max_in_flight),
       deadline_(CallDeadline(*context)),
       cancelled_(std::make_shared<std::atomic<bool>>(false)) {
@@ -45,6 +48,7 @@ void DecodeStreamReactor::OnReadDone(bool ok) {
       owned->response.set_request_id(request.request_id());
       slot = owned.get();
       slots_.push_back(std::move(owned));
+      calls_->Begin();
       ++in_engine_;  // counted until Submit's callback (or its validation failure) lands
     }
     if (slot == nullptr) actions = Plan();
@@ -100,6 +104,7 @@ void DecodeStreamReactor::OnWriteDone(bool ok) {
     writing_ = false;
     std::unique_ptr<Slot> written = std::move(slots_.front());
     slots_.pop_front();
+    calls_->End();
     if (ok) {
       if (metrics_ != nullptr) {
         metrics_->RecordRequest(kMethod, StatusCodeName(written->code),
@@ -125,7 +130,16 @@ void DecodeStreamReactor::OnCancel() {
   Run(actions);
 }
 
-void DecodeStreamReactor::OnDone() { delete this; }
+void DecodeStreamReactor::OnDone() {
+  CallCounter* calls = calls_;
+  int64_t unwritten;
+  {
+    absl::MutexLock lock(&mu_);
+    unwritten = static_cast<int64_t>(slots_.size());
+  }
+  delete this;
+  if (unwritten > 0) calls->End(unwritten);
+}
 
 DecodeStreamReactor::Actions DecodeStreamReactor::Plan() {
   Actions actions;

@@ -28,14 +28,16 @@
 
 namespace pagedattn {
 
+class CallCounter;
 class Metrics;
 
 class DecodeStreamReactor final
     : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse> {
  public:
-  // `engine` outlives the reactor; `metrics` may be null. max_in_flight > 0.
+  // `engine` and `calls` outlive the reactor; `metrics` may be null. max_in_flight > 0. Each
+  // message counts in `calls` from its read until its response is written (or dropped).
   DecodeStreamReactor(grpc::CallbackServerContext* context, Engine* engine, ModelConfig config,
-                      Metrics* metrics, int32_t max_in_flight);
+                      Metrics* metrics, CallCounter* calls, int32_t max_in_flight);
 
   void OnReadDone(bool ok) override;
   void OnWriteDone(bool ok) override;
@@ -67,6 +69,7 @@ class DecodeStreamReactor final
   Engine* const engine_;
   const ModelConfig config_;
   Metrics* const metrics_;
+  CallCounter* const calls_;
   const int32_t max_in_flight_;
   const absl::Time deadline_;
   const CancelFlag cancelled_;

@@ -4,6 +4,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
@@ -93,7 +95,22 @@ void GrpcServer::Shutdown(absl::Time deadline) {
   if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
     health->Shutdown();
   }
-  server_->Shutdown(absl::ToChronoTime(deadline));
+  // grpc::Server::Shutdown stops accepting at once (GOAWAY) and waits for calls to finish, but
+  // also for every connection to close, which an idle client acknowledges only when it next
+  // polls (seconds for a synchronous one). So it runs on its own thread while this one waits
+  // for the last response to be sent; then cancelling what is left (idle streams) closes the
+  // connections. The first cancel comes after Shutdown has begun (grpc_server_cancel_all_calls
+  // is only valid after it); repeating it is harmless.
+  absl::Notification done;
+  std::thread shutdown([this, deadline, &done] {
+    server_->Shutdown(absl::ToChronoTime(deadline));
+    done.Notify();
+  });
+  service_->calls().WaitIdle(deadline);
+  while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(20))) {
+    grpc_server_cancel_all_calls(server_->c_server());
+  }
+  shutdown.join();
   server_->Wait();
 }
 

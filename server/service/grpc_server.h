@@ -46,8 +46,9 @@ class GrpcServer {
   // The bound port (the chosen one when the address asked for port 0).
   int port() const { return port_; }
 
-  // Health NOT_SERVING, stops accepting calls, waits for calls in progress until `deadline`,
-  // then cancels what is left and returns once every handler is done. The engine keeps
+  // Health NOT_SERVING, stops accepting calls, waits until every call in progress (and every
+  // DecodeStream message read) has its response sent or `deadline` passes, then cancels what
+  // is left (idle streams included) and returns once every handler is done. The engine keeps
   // running: the caller drains it afterwards. Idempotent.
   void Shutdown(absl::Time deadline);
 

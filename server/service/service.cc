@@ -14,7 +14,7 @@ PagedAttentionService::PagedAttentionService(const Options& options, Engine* eng
 grpc::ServerUnaryReactor* PagedAttentionService::GetModelConfig(
     grpc::CallbackServerContext* context, const v1::GetModelConfigRequest* /*request*/,
     v1::GetModelConfigResponse* response) {
-  auto* call = new UnaryCall(context, "GetModelConfig", metrics_);
+  auto* call = new UnaryCall(context, "GetModelConfig", metrics_, &calls_);
   response->set_num_qo_heads(config_.num_qo_heads);
   response->set_num_kv_heads(config_.num_kv_heads);
   response->set_head_dim(config_.head_dim);
@@ -31,7 +31,7 @@ grpc::ServerUnaryReactor* PagedAttentionService::GetModelConfig(
 grpc::ServerUnaryReactor* PagedAttentionService::CreateSequence(
     grpc::CallbackServerContext* context, const v1::CreateSequenceRequest* request,
     v1::CreateSequenceResponse* /*response*/) {
-  auto* call = new UnaryCall(context, "CreateSequence", metrics_);
+  auto* call = new UnaryCall(context, "CreateSequence", metrics_, &calls_);
   call->Complete(engine_->CreateSequence(request->sequence_id()));
   return call;
 }
@@ -39,7 +39,7 @@ grpc::ServerUnaryReactor* PagedAttentionService::CreateSequence(
 grpc::ServerUnaryReactor* PagedAttentionService::AppendKV(grpc::CallbackServerContext* context,
                                                           const v1::AppendKVRequest* request,
                                                           v1::AppendKVResponse* response) {
-  auto* call = new UnaryCall(context, "AppendKV", metrics_);
+  auto* call = new UnaryCall(context, "AppendKV", metrics_, &calls_);
   absl::StatusOr<AppendWork> work = ToAppendWork(*request, config_);
   if (!work.ok()) {
     call->Complete(work.status());
@@ -57,7 +57,7 @@ grpc::ServerUnaryReactor* PagedAttentionService::AppendKV(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* PagedAttentionService::Decode(grpc::CallbackServerContext* context,
                                                         const v1::DecodeRequest* request,
                                                         v1::DecodeResponse* response) {
-  auto* call = new UnaryCall(context, "Decode", metrics_);
+  auto* call = new UnaryCall(context, "Decode", metrics_, &calls_);
   absl::StatusOr<DecodeWork> work = ToDecodeWork(*request, config_);
   if (!work.ok()) {
     call->Complete(work.status());
@@ -80,13 +80,14 @@ grpc::ServerUnaryReactor* PagedAttentionService::Decode(grpc::CallbackServerCont
 
 grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* PagedAttentionService::DecodeStream(
     grpc::CallbackServerContext* context) {
-  return new DecodeStreamReactor(context, engine_, config_, metrics_, options_.stream_max_in_flight);
+  return new DecodeStreamReactor(context, engine_, config_, metrics_, &calls_,
+                                 options_.stream_max_in_flight);
 }
 
 grpc::ServerUnaryReactor* PagedAttentionService::ForkSequence(grpc::CallbackServerContext* context,
                                                               const v1::ForkSequenceRequest* request,
                                                               v1::ForkSequenceResponse* /*response*/) {
-  auto* call = new UnaryCall(context, "ForkSequence", metrics_);
+  auto* call = new UnaryCall(context, "ForkSequence", metrics_, &calls_);
   call->Complete(engine_->ForkSequence(request->parent_id(), request->child_id()));
   return call;
 }
@@ -94,7 +95,7 @@ grpc::ServerUnaryReactor* PagedAttentionService::ForkSequence(grpc::CallbackServ
 grpc::ServerUnaryReactor* PagedAttentionService::ReleaseSequence(
     grpc::CallbackServerContext* context, const v1::ReleaseSequenceRequest* request,
     v1::ReleaseSequenceResponse* /*response*/) {
-  auto* call = new UnaryCall(context, "ReleaseSequence", metrics_);
+  auto* call = new UnaryCall(context, "ReleaseSequence", metrics_, &calls_);
   call->Complete(engine_->ReleaseSequence(request->sequence_id()));
   return call;
 }
@@ -102,7 +103,7 @@ grpc::ServerUnaryReactor* PagedAttentionService::ReleaseSequence(
 grpc::ServerUnaryReactor* PagedAttentionService::GetStats(grpc::CallbackServerContext* context,
                                                           const v1::GetStatsRequest* /*request*/,
                                                           v1::GetStatsResponse* response) {
-  auto* call = new UnaryCall(context, "GetStats", metrics_);
+  auto* call = new UnaryCall(context, "GetStats", metrics_, &calls_);
   const EngineStats stats = engine_->GetStats();
   response->set_pages_total(stats.pages_total);
   response->set_pages_free(stats.pages_free);

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "pagedattn/v1/pagedattn.grpc.pb.h"
+#include "server/service/call_counter.h"
 #include "server/engine/engine.h"
 
 namespace pagedattn {
@@ -54,11 +55,15 @@ class PagedAttentionService final : public v1::PagedAttention::CallbackService {
                                      const v1::GetStatsRequest* request,
                                      v1::GetStatsResponse* response) override;
 
+  // Unary calls and DecodeStream messages whose response is not yet sent.
+  CallCounter& calls() { return calls_; }
+
  private:
   const Options options_;
   Engine* const engine_;
   Metrics* const metrics_;
   const ModelConfig config_;  // fixed for the engine's life
+  CallCounter calls_;
 };
 
 }  // namespace pagedattn

@@ -3,6 +3,7 @@
 #include <chrono>
 
 #include "server/metrics/metrics.h"
+#include "server/service/call_counter.h"
 #include "server/service/status.h"
 
 namespace pagedattn {
@@ -13,12 +14,16 @@ absl::Time CallDeadline(const grpc::CallbackServerContext& context) {
   return absl::FromChrono(deadline);
 }
 
-UnaryCall::UnaryCall(grpc::CallbackServerContext* context, std::string_view method, Metrics* metrics)
+UnaryCall::UnaryCall(grpc::CallbackServerContext* context, std::string_view method, Metrics* metrics,
+                     CallCounter* calls)
     : method_(method),
       metrics_(metrics),
+      calls_(calls),
       start_(absl::Now()),
       deadline_(CallDeadline(*context)),
-      cancelled_(std::make_shared<std::atomic<bool>>(false)) {}
+      cancelled_(std::make_shared<std::atomic<bool>>(false)) {
+  calls_->Begin();
+}
 
 void UnaryCall::Complete(const absl::Status& status) {
   if (metrics_ != nullptr) {
@@ -30,6 +35,10 @@ void UnaryCall::Complete(const absl::Status& status) {
 
 void UnaryCall::OnCancel() { cancelled_->store(true, std::memory_order_relaxed); }
 
-void UnaryCall::OnDone() { delete this; }
+void UnaryCall::OnDone() {
+  CallCounter* calls = calls_;
+  delete this;
+  calls->End();
+}
 
 }  // namespace pagedattn

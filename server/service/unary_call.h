@@ -18,12 +18,15 @@
 
 namespace pagedattn {
 
+class CallCounter;
 class Metrics;
 
 class UnaryCall final : public grpc::ServerUnaryReactor {
  public:
-  // `method` must outlive the call (a string literal); `metrics` may be null.
-  UnaryCall(grpc::CallbackServerContext* context, std::string_view method, Metrics* metrics);
+  // `method` must outlive the call (a string literal); `metrics` may be null. The call counts
+  // in `calls` (which outlives it) from construction until gRPC is done with it.
+  UnaryCall(grpc::CallbackServerContext* context, std::string_view method, Metrics* metrics,
+            CallCounter* calls);
 
   // The RPC's deadline as an absl::Time (InfiniteFuture when it has none).
   absl::Time deadline() const { return deadline_; }
@@ -39,6 +42,7 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
  private:
   const std::string_view method_;
   Metrics* const metrics_;
+  CallCounter* const calls_;
   const absl::Time start_;
   const absl::Time deadline_;
   const CancelFlag cancelled_;

@@ -1,0 +1,57 @@
+// ServerProcess: the real pagedattn-server binary started for one test on free loopback ports
+// (--grpc_address=127.0.0.1:0 --metrics_address=127.0.0.1:0; the ports come from its
+// "serving" line), ready once its health service answers SERVING. The destructor kills and
+// reaps it if it still runs. Not thread-safe (one test thread drives it).
+#pragma once
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace pagedattn::testing {
+
+// The server binary: $PAGEDATTN_SERVER_BIN, else the path CMake compiled in.
+std::string ServerBinary();
+
+class ServerProcess {
+ public:
+  // Starts the binary with `flags` (e.g. "--num_pages=64") after the address flags, and waits
+  // up to `timeout` for health SERVING.
+  static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(
+      const std::vector<std::string>& flags, absl::Duration timeout = absl::Seconds(30));
+  ~ServerProcess();
+
+  int grpc_port() const { return grpc_port_; }
+  int metrics_port() const { return metrics_port_; }
+  std::string grpc_target() const;
+  pid_t pid() const { return pid_; }
+
+  void Signal(int signal_number);
+  // The exit status (128 + signal when killed by one); DEADLINE_EXCEEDED if it still runs.
+  absl::StatusOr<int> WaitExit(absl::Duration timeout);
+  // Everything the server printed so far (stdout and stderr).
+  std::string output() const;
+
+ private:
+  ServerProcess() = default;
+  void ReadOutput(int fd);
+
+  pid_t pid_ = -1;
+  bool reaped_ = false;
+  int grpc_port_ = 0;
+  int metrics_port_ = 0;
+  std::thread reader_;
+  mutable absl::Mutex mu_;
+  std::string output_ ABSL_GUARDED_BY(mu_);
+  bool eof_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace pagedattn::testing
