@@ -1,0 +1,92 @@
+// The CUDA paged decode attention of ../shared/DEFINITION.md for Hopper (sm_90a), split like
+// FlashInfer's plan/run: Plan() decides the work split on the host and copies its tables to the
+// device with one asynchronous copy; Run() only launches, so it can be captured in a CUDA graph.
+//
+// Plain C++: no CUDA header is needed to use it. A stream is passed as a CudaStream, which is
+// the same pointer type as cudaStream_t (nullptr is the legacy default stream).
+//
+// Ownership and lifetime: a CudaDecoder owns, from Create() to its destruction, a pinned host
+// buffer for the plan tables and a device workspace (the tables, partial results of split
+// sequences, merge counters). Nothing is allocated after Create().
+//
+// One decoder has one batch in flight. Plan() rewrites the pinned buffer and Run() reuses the
+// workspace, so before re-planning a decoder the caller waits for the completion of that
+// decoder's previous Run (an event recorded after it on its stream); Plan() itself also waits
+// for its own previous copy to have left the pinned buffer. To keep two batches in flight, keep
+// two decoders. A decoder is not thread-safe: call it from one thread at a time, with the
+// decoder's device current.
+//
+// Requirements on DecodeArgs for Run(): device pointers; q, k_cache and v_cache 16-byte aligned
+// (cudaMalloc gives 256); kv_indices entries in [0, num_pages) (num_pages <= 2^31: page indices
+// are int32, all address arithmetic is 64-bit); outputs must not alias inputs. The kv_indptr and
+// kv_last_page_len the kernel follows are those given to Plan() (host arrays); args.kv_indices
+// is read on the device at run time, so the same plan serves every layer of a step when only
+// the page ids change (for example page = layer * num_pages + page in a combined cache).
+// args.kv_indptr and args.kv_last_page_len are not read by the CUDA decoder.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "pagedattn/kernels/decode.h"
+#include "pagedattn/kernels/status.h"
+
+struct CUstream_st;
+
+namespace pagedattn::kernels {
+
+using CudaStream = CUstream_st*;  // a cudaStream_t
+
+// How the kernel moves K/V pages into shared memory.
+enum class CudaLoadPath {
+  kTma,      // Hopper tensor-memory-accelerator copies (the default)
+  kCpAsync,  // 16-byte cp.async by one producer warp (a fallback, same results)
+};
+
+struct CudaDecoderOptions {
+  int32_t max_batch_size = 4096;  // the largest batch Plan() accepts
+  int32_t device = -1;            // -1: the current device
+  int32_t num_ctas = 0;           // thread blocks per launch; 0: one per SM (at most 256)
+  CudaLoadPath load_path = CudaLoadPath::kTma;
+};
+
+// True when the CUDA runtime finds at least one device this library can run on (compute
+// capability 9.0). Never fails; false without CUDA.
+bool CudaDecodeDeviceAvailable();
+
+class CudaDecoder {
+ public:
+  using Options = CudaDecoderOptions;
+
+  // Allocates the pinned buffer and the workspace for `options`. InvalidArgument for bad
+  // options; Unavailable without a usable device (or when built without CUDA);
+  // FailedPrecondition on a GPU other than compute capability 9.0; ResourceExhausted when an
+  // allocation fails; Internal for another CUDA error.
+  static KernelStatus Create(const Options& options, std::unique_ptr<CudaDecoder>* decoder);
+  ~CudaDecoder();
+  CudaDecoder(const CudaDecoder&) = delete;
+  CudaDecoder& operator=(const CudaDecoder&) = delete;
+
+  // Plans a batch from host kv_indptr [batch_size + 1] and kv_last_page_len [batch_size] and
+  // issues one cudaMemcpyAsync of the tables on `stream`. The host arrays may be reused once
+  // Plan returns. Blocks only while this decoder's previous plan copy is still pending.
+  // InvalidArgument for a bad batch (see BuildDecodePlan); Internal for a CUDA error.
+  KernelStatus Plan(const int32_t* kv_indptr, const int32_t* kv_last_page_len,
+                    int32_t batch_size, CudaStream stream);
+
+  // Launches the decode of the planned batch on `stream`: no allocation, no synchronisation.
+  // FailedPrecondition before a successful Plan; InvalidArgument when args do not match the
+  // plan or the requirements above; Internal when the launch fails.
+  KernelStatus Run(const DecodeArgs& args, CudaStream stream);
+
+  int32_t num_ctas() const;
+  CudaLoadPath load_path() const;  // kCpAsync when TMA was asked for but is unavailable
+  int32_t max_batch_size() const;
+
+ private:
+  struct Impl;
+  explicit CudaDecoder(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace pagedattn::kernels

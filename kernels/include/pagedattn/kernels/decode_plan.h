@@ -1,0 +1,81 @@
+// The host-side plan of a decode batch: how the CUDA decoder splits the work over its thread
+// blocks (CTAs). Pure C++, no CUDA: unit-tested on any machine.
+//
+// The work of a batch is its (sequence, KV head, page) units, laid end to end: sequence-major,
+// then KV head, then page. The plan cuts that line into `num_ctas` ranges of equal length (to
+// one unit), so a batch of one long sequence fills every CTA and a batch of very uneven lengths
+// is as balanced as a uniform one. The part of a (sequence, KV head) that falls in one CTA's
+// range is a work item. An item that is a whole (sequence, KV head) writes the output directly;
+// the pieces of a (sequence, KV head) cut across CTAs write partial results (output normalised
+// by its own softmax sum, and its log-sum-exp) into slots, and the CTA that finishes the last
+// piece of a merge group combines them by their log-sum-exp.
+//
+// The tables live in one byte buffer (pinned host memory, copied to the device as one block):
+//   [MergeGroup x num_ctas][WorkItem x (num_ctas + rest items)]
+// CTA c's first item is items[c]; its further items are items[rest_begin, rest_begin+rest_count).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "pagedattn/kernels/status.h"
+
+namespace pagedattn::kernels {
+
+// One work item; 32 bytes, read as-is by the kernel.
+struct WorkItem {
+  int32_t page_begin = 0;  // first position of the item's pages in kv_indices
+  int32_t num_pages = 0;   // 0: an empty sequence's (seq, head), or nothing at all (seq_head < 0)
+  int32_t seq_head = -1;   // sequence * kNumKvHeads + kv_head; -1: a CTA with no work
+  int32_t last_len = 0;    // valid tokens in the item's last page, 1..64
+  int32_t slot = -1;       // -1: the item is the whole (seq, head); else its partial-result slot
+  int32_t group = -1;      // the merge group of the item's (seq, head) when slot >= 0
+  int32_t rest_begin = 0;  // first items only: index of the CTA's further items
+  int32_t rest_count = 0;  // first items only: how many further items
+};
+static_assert(sizeof(WorkItem) == 32);
+
+// The pieces of one (sequence, KV head) split across CTAs: slots [slot_begin, +num_pieces).
+struct MergeGroup {
+  int32_t slot_begin = 0;
+  int32_t num_pieces = 0;
+};
+static_assert(sizeof(MergeGroup) == 8);
+
+// Fixed capacities; the buffer sizes follow from them.
+struct PlanCapacity {
+  int32_t num_ctas = 0;        // thread blocks of a launch, 1..kMaxPlanCtas
+  int32_t max_batch_size = 0;  // largest batch a plan accepts
+
+  // Upper bounds: a merge group per split (seq, head), at most num_ctas - 1 of them; at most
+  // 2 * num_ctas slots; items: one per (seq, head) plus one per cut.
+  int64_t MaxGroups() const { return num_ctas; }
+  int64_t MaxSlots() const { return 2 * int64_t{num_ctas}; }
+  int64_t MaxItems() const { return 2 * int64_t{num_ctas} + 4 * int64_t{max_batch_size}; }
+  size_t GroupsOffset() const { return 0; }
+  size_t ItemsOffset() const;
+  size_t TableBytes() const;  // bytes of the whole buffer at capacity
+};
+
+// The most CTAs a plan may use (bounds the merge's per-group scratch in the kernel).
+inline constexpr int32_t kMaxPlanCtas = 256;
+
+struct PlanSummary {
+  int32_t batch_size = 0;
+  int64_t total_pages = 0;   // kv_indptr[batch_size]
+  int32_t num_items = 0;     // all items, first items of CTAs with no work excluded
+  int32_t num_groups = 0;
+  int32_t num_slots = 0;
+  int32_t active_ctas = 0;   // CTAs with at least one item
+  size_t used_bytes = 0;     // prefix of the buffer that holds the plan (what is copied)
+};
+
+// Validates the batch (kv_indptr[0] == 0, non-decreasing, fitting int32; kv_last_page_len in
+// 1..64 for every non-empty sequence; batch_size in 0..max_batch_size) and writes its plan into
+// `table` (at least capacity.TableBytes() bytes, 8-byte aligned). InvalidArgument on a bad batch
+// or capacity; then the buffer's contents are unspecified. No allocation.
+KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_page_len,
+                             int32_t batch_size, const PlanCapacity& capacity, void* table,
+                             PlanSummary* summary);
+
+}  // namespace pagedattn::kernels

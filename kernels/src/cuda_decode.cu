@@ -1,0 +1,289 @@
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "decode_kernel.cuh"
+#include "pagedattn/kernels/cuda_decode.h"
+#include "pagedattn/kernels/decode_plan.h"
+
+namespace pagedattn::kernels {
+namespace {
+
+KernelStatus CudaFailure(const char* what, cudaError_t e) {
+  return KernelStatus::Error(KernelCode::kInternal,
+                             std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+KernelStatus Invalid(std::string message) {
+  return KernelStatus::Error(KernelCode::kInvalidArgument, std::move(message));
+}
+
+bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+}  // namespace
+
+#define PA_RETURN_IF_CUDA_ERROR(expr, what)      \
+  do {                                           \
+    const cudaError_t pa_err_ = (expr);          \
+    if (pa_err_ != cudaSuccess) return CudaFailure(what, pa_err_); \
+  } while (0)
+
+struct CudaDecoder::Impl {
+  Options options;
+  int device = 0;
+  PlanCapacity capacity;
+  CudaLoadPath path = CudaLoadPath::kTma;
+  void* host_table = nullptr;  // pinned
+  void* dev_table = nullptr;
+  float* part_o = nullptr;
+  float* part_lse = nullptr;
+  int32_t* counters = nullptr;
+  cudaEvent_t copy_done = nullptr;
+  bool copy_pending = false;
+  bool planned = false;
+  PlanSummary plan;
+  PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  CUtensorMap k_map{};
+  CUtensorMap v_map{};
+  const void* map_k = nullptr;
+  const void* map_v = nullptr;
+  int64_t map_pages = -1;
+
+  ~Impl() {
+    // Errors on release are ignored: nothing useful can be done with them here.
+    if (copy_done != nullptr) cudaEventDestroy(copy_done);
+    if (host_table != nullptr) cudaFreeHost(host_table);
+    if (dev_table != nullptr) cudaFree(dev_table);
+    if (part_o != nullptr) cudaFree(part_o);
+    if (part_lse != nullptr) cudaFree(part_lse);
+    if (counters != nullptr) cudaFree(counters);
+  }
+
+  KernelStatus EncodeMap(const void* cache, int64_t num_pages, CUtensorMap* map) const {
+    // Dimensions innermost first: dim 128, head 4, token 64, page; strides in bytes.
+    const cuuint64_t dims[4] = {kHeadDim, kNumKvHeads, kPageSize,
+                                static_cast<cuuint64_t>(num_pages)};
+    const cuuint64_t strides[3] = {kHeadDim * 2, kTokenElems * 2, kPageElems * 2};
+    const cuuint32_t box[4] = {64, 1, kPageSize, 1};
+    const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+    const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(cache),
+                              dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+      return KernelStatus::Error(KernelCode::kInternal,
+                                 "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(r));
+    }
+    return KernelStatus::Ok();
+  }
+};
+
+bool CudaDecodeDeviceAvailable() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    return false;
+  }
+  for (int d = 0; d < count; ++d) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) == cudaSuccess &&
+        major == 9) {
+      return true;
+    }
+  }
+  return false;
+}
+
+CudaDecoder::CudaDecoder(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaDecoder::~CudaDecoder() = default;
+
+int32_t CudaDecoder::num_ctas() const { return impl_->capacity.num_ctas; }
+CudaLoadPath CudaDecoder::load_path() const { return impl_->path; }
+int32_t CudaDecoder::max_batch_size() const { return impl_->capacity.max_batch_size; }
+
+KernelStatus CudaDecoder::Create(const Options& options, std::unique_ptr<CudaDecoder>* decoder) {
+  if (decoder == nullptr) return Invalid("CudaDecoder::Create: null output");
+  if (options.max_batch_size < 1 || options.max_batch_size > (1 << 24)) {
+    return Invalid("CudaDecoder::Create: max_batch_size outside 1..2^24");
+  }
+  if (options.num_ctas < 0 || options.num_ctas > kMaxPlanCtas) {
+    return Invalid("CudaDecoder::Create: num_ctas outside 0.." + std::to_string(kMaxPlanCtas));
+  }
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    return KernelStatus::Error(KernelCode::kUnavailable, "no CUDA device");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  if (options.device >= 0) {
+    if (options.device >= count) return Invalid("CudaDecoder::Create: no such device");
+    PA_RETURN_IF_CUDA_ERROR(cudaSetDevice(options.device), "cudaSetDevice");
+  }
+  PA_RETURN_IF_CUDA_ERROR(cudaGetDevice(&impl->device), "cudaGetDevice");
+  int major = 0, sms = 0, smem_optin = 0;
+  PA_RETURN_IF_CUDA_ERROR(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, impl->device),
+      "cudaDeviceGetAttribute");
+  PA_RETURN_IF_CUDA_ERROR(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, impl->device),
+      "cudaDeviceGetAttribute");
+  PA_RETURN_IF_CUDA_ERROR(
+      cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, impl->device),
+      "cudaDeviceGetAttribute");
+  if (major != 9) {
+    return KernelStatus::Error(KernelCode::kFailedPrecondition,
+                               "the decode kernel is built for compute capability 9.0 (sm_90a)");
+  }
+  if (static_cast<size_t>(smem_optin) < detail::kSmemBytes) {
+    return KernelStatus::Error(KernelCode::kFailedPrecondition,
+                               "device offers too little shared memory per block");
+  }
+  PA_RETURN_IF_CUDA_ERROR(
+      cudaFuncSetAttribute(detail::PagedDecodeKernel<true>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(detail::kSmemBytes)),
+      "cudaFuncSetAttribute");
+  PA_RETURN_IF_CUDA_ERROR(
+      cudaFuncSetAttribute(detail::PagedDecodeKernel<false>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(detail::kSmemBytes)),
+      "cudaFuncSetAttribute");
+
+  impl->capacity.num_ctas = options.num_ctas > 0 ? options.num_ctas : std::min(sms, kMaxPlanCtas);
+  impl->capacity.max_batch_size = options.max_batch_size;
+  impl->path = options.load_path;
+  if (impl->path == CudaLoadPath::kTma) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult query;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &query) != cudaSuccess ||
+        query != cudaDriverEntryPointSuccess || fn == nullptr) {
+      cudaGetLastError();
+      impl->path = CudaLoadPath::kCpAsync;
+    } else {
+      impl->encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    }
+  }
+
+  const PlanCapacity& cap = impl->capacity;
+  auto exhausted = [](const char* what, cudaError_t e) {
+    cudaGetLastError();
+    return KernelStatus::Error(KernelCode::kResourceExhausted,
+                               std::string(what) + ": " + cudaGetErrorString(e));
+  };
+  cudaError_t e = cudaMallocHost(&impl->host_table, cap.TableBytes());
+  if (e != cudaSuccess) return exhausted("cudaMallocHost (plan tables)", e);
+  e = cudaMalloc(&impl->dev_table, cap.TableBytes());
+  if (e != cudaSuccess) return exhausted("cudaMalloc (plan tables)", e);
+  e = cudaMalloc(reinterpret_cast<void**>(&impl->part_o),
+                 cap.MaxSlots() * detail::kPartialFloats * sizeof(float));
+  if (e != cudaSuccess) return exhausted("cudaMalloc (partial outputs)", e);
+  e = cudaMalloc(reinterpret_cast<void**>(&impl->part_lse),
+                 cap.MaxSlots() * kGroupSize * sizeof(float));
+  if (e != cudaSuccess) return exhausted("cudaMalloc (partial lse)", e);
+  e = cudaMalloc(reinterpret_cast<void**>(&impl->counters), cap.MaxGroups() * sizeof(int32_t));
+  if (e != cudaSuccess) return exhausted("cudaMalloc (merge counters)", e);
+  PA_RETURN_IF_CUDA_ERROR(cudaMemset(impl->counters, 0, cap.MaxGroups() * sizeof(int32_t)),
+                          "cudaMemset (merge counters)");
+  PA_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&impl->copy_done, cudaEventDisableTiming),
+                          "cudaEventCreate");
+  PA_RETURN_IF_CUDA_ERROR(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  decoder->reset(new CudaDecoder(std::move(impl)));
+  return KernelStatus::Ok();
+}
+
+KernelStatus CudaDecoder::Plan(const int32_t* kv_indptr, const int32_t* kv_last_page_len,
+                               int32_t batch_size, CudaStream stream) {
+  Impl& d = *impl_;
+  if (d.copy_pending) {
+    PA_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(d.copy_done), "cudaEventSynchronize");
+    d.copy_pending = false;
+  }
+  d.planned = false;
+  KernelStatus st = BuildDecodePlan(kv_indptr, kv_last_page_len, batch_size, d.capacity,
+                                    d.host_table, &d.plan);
+  if (!st.ok()) return st;
+  PA_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(d.dev_table, d.host_table, d.plan.used_bytes,
+                                          cudaMemcpyHostToDevice, stream),
+                          "cudaMemcpyAsync (plan tables)");
+  PA_RETURN_IF_CUDA_ERROR(cudaEventRecord(d.copy_done, stream), "cudaEventRecord");
+  d.copy_pending = true;
+  d.planned = true;
+  return KernelStatus::Ok();
+}
+
+KernelStatus CudaDecoder::Run(const DecodeArgs& args, CudaStream stream) {
+  Impl& d = *impl_;
+  if (!d.planned) {
+    return KernelStatus::Error(KernelCode::kFailedPrecondition, "CudaDecoder::Run before Plan");
+  }
+  if (args.batch_size != d.plan.batch_size) {
+    return Invalid("CudaDecoder::Run: batch_size " + std::to_string(args.batch_size) +
+                   " differs from the planned " + std::to_string(d.plan.batch_size));
+  }
+  if (args.batch_size == 0) return KernelStatus::Ok();
+  if (args.q == nullptr || args.output == nullptr || args.lse == nullptr) {
+    return Invalid("CudaDecoder::Run: null q, output or lse");
+  }
+  if (!std::isfinite(args.sm_scale)) return Invalid("CudaDecoder::Run: sm_scale not finite");
+  const bool has_pages = d.plan.total_pages > 0;
+  if (has_pages) {
+    if (args.k_cache == nullptr || args.v_cache == nullptr || args.kv_indices == nullptr) {
+      return Invalid("CudaDecoder::Run: null k_cache, v_cache or kv_indices");
+    }
+    if (args.num_pages < 1 || args.num_pages > (int64_t{1} << 31)) {
+      return Invalid("CudaDecoder::Run: num_pages outside 1..2^31");
+    }
+    if (!Aligned16(args.q) || !Aligned16(args.k_cache) || !Aligned16(args.v_cache)) {
+      return Invalid("CudaDecoder::Run: q, k_cache and v_cache must be 16-byte aligned");
+    }
+  }
+
+  detail::KernelParams p;
+  std::memset(&p, 0, sizeof p);
+  const bool tma = d.path == CudaLoadPath::kTma;
+  if (tma && has_pages) {
+    if (d.map_k != args.k_cache || d.map_v != args.v_cache || d.map_pages != args.num_pages) {
+      d.map_k = nullptr;
+      KernelStatus st = d.EncodeMap(args.k_cache, args.num_pages, &d.k_map);
+      if (!st.ok()) return st;
+      st = d.EncodeMap(args.v_cache, args.num_pages, &d.v_map);
+      if (!st.ok()) return st;
+      d.map_k = args.k_cache;
+      d.map_v = args.v_cache;
+      d.map_pages = args.num_pages;
+    }
+    p.k_map = d.k_map;
+    p.v_map = d.v_map;
+  }
+  const char* table = static_cast<const char*>(d.dev_table);
+  p.q = args.q;
+  p.k_cache = args.k_cache;
+  p.v_cache = args.v_cache;
+  p.kv_indices = args.kv_indices;
+  p.output = args.output;
+  p.lse = args.lse;
+  p.items = reinterpret_cast<const WorkItem*>(table + d.capacity.ItemsOffset());
+  p.groups = reinterpret_cast<const MergeGroup*>(table + d.capacity.GroupsOffset());
+  p.part_o = d.part_o;
+  p.part_lse = d.part_lse;
+  p.counters = d.counters;
+  p.scale_log2 = args.sm_scale * 1.4426950408889634f;
+
+  const dim3 grid(d.capacity.num_ctas);
+  const dim3 block(detail::kThreads);
+  if (tma) {
+    detail::PagedDecodeKernel<true><<<grid, block, detail::kSmemBytes, stream>>>(p);
+  } else {
+    detail::PagedDecodeKernel<false><<<grid, block, detail::kSmemBytes, stream>>>(p);
+  }
+  PA_RETURN_IF_CUDA_ERROR(cudaGetLastError(), "decode kernel launch");
+  return KernelStatus::Ok();
+}
+
+}  // namespace pagedattn::kernels

@@ -1,0 +1,477 @@
+// The paged decode kernel. One CTA per SM (persistent over its plan items), 5 warps:
+//   warp 4      producer: waits for a free stage, copies one (page, KV head) of K and V into it
+//               (TMA boxes of 64 tokens x 64 dims, 128-byte swizzled; or cp.async in the same
+//               layout), and the item's 6 query heads with its first page;
+//   warps 0..3  consumers: each takes 16 of the page's 64 tokens; S = Q K^T and O += P V on the
+//               tensor cores (m16n8k16, the 6 query heads in rows 0..5 of A), online softmax in
+//               base 2; at the end of an item the 4 warps combine through shared memory and
+//               either write the output or a partial result that the last piece's CTA merges.
+// The stages form a ring of kStages buffers with a full and an empty mbarrier each.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "pagedattn/kernels/decode.h"
+#include "pagedattn/kernels/decode_plan.h"
+#include "ptx.cuh"
+
+namespace pagedattn::kernels::detail {
+
+inline constexpr int kStages = 6;
+inline constexpr int kConsumerWarps = 4;
+inline constexpr int kConsumerThreads = kConsumerWarps * 32;
+inline constexpr int kThreads = kConsumerThreads + 32;
+inline constexpr int kTokensPerWarp = kPageSize / kConsumerWarps;  // 16
+inline constexpr int kHalfBytes = kPageSize * 64 * 2;              // one TMA box: 64 tokens x 64 dims
+inline constexpr int kStageBytes = 4 * kHalfBytes;                 // K lo, K hi, V lo, V hi
+inline constexpr int kQBytes = kGroupSize * kHeadDim * 2;          // 6 query heads, bf16
+inline constexpr int kPageBytes = static_cast<int>(kPageElems * 2);  // one page of K (or V)
+inline constexpr int kPartialFloats = kGroupSize * kHeadDim;       // one slot of partial output
+inline constexpr uint32_t kConsumerBarrier = 1;                    // named barrier of warps 0..3
+
+struct KernelParams {
+  CUtensorMap k_map;  // k_cache as [pages][64 tokens][4 heads][128 dims] bf16, box 64x1x64x1
+  CUtensorMap v_map;  // v_cache, the same
+  const uint16_t* q;           // [batch, 24, 128] bf16
+  const uint16_t* k_cache;     // [pages, 64, 4, 128] bf16 (cp.async path)
+  const uint16_t* v_cache;     // [pages, 64, 4, 128] bf16 (cp.async path)
+  const int32_t* kv_indices;   // [total pages]
+  uint16_t* output;            // [batch, 24, 128] bf16
+  float* lse;                  // [batch, 24] fp32, base 2
+  const WorkItem* items;       // the plan's items
+  const MergeGroup* groups;    // the plan's merge groups
+  float* part_o;               // [slots, 6, 128] partial outputs, each normalised
+  float* part_lse;             // [slots, 6] their base-2 log-sum-exp
+  int32_t* counters;           // [groups] pieces finished; zero between launches
+  float scale_log2;            // sm_scale * log2(e)
+};
+
+struct alignas(1024) SharedStorage {
+  uint8_t stage[kStages][kStageBytes];  // 1024-aligned boxes (128-byte swizzle)
+  uint8_t q[kStages][kQBytes];
+  float scratch_o[kConsumerWarps][kGroupSize][kHeadDim];
+  float scratch_m[kConsumerWarps][kGroupSize];
+  float scratch_l[kConsumerWarps][kGroupSize];
+  float weights[kMaxPlanCtas][kGroupSize];
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+  int32_t is_last;
+};
+inline constexpr size_t kSmemBytes = sizeof(SharedStorage) + 1024;  // + alignment slack
+static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a Hopper block may opt in to");
+
+__device__ __forceinline__ WorkItem LoadItem(const WorkItem* item) {
+  const int4* v = reinterpret_cast<const int4*>(item);
+  const int4 a = __ldg(v);
+  const int4 b = __ldg(v + 1);
+  WorkItem w;
+  w.page_begin = a.x;
+  w.num_pages = a.y;
+  w.seq_head = a.z;
+  w.last_len = a.w;
+  w.slot = b.x;
+  w.group = b.y;
+  w.rest_begin = b.z;
+  w.rest_count = b.w;
+  return w;
+}
+
+__device__ __forceinline__ WorkItem ItemAt(const KernelParams& p, const WorkItem& head, int i) {
+  return i == 0 ? head : LoadItem(p.items + head.rest_begin + i - 1);
+}
+
+__device__ __forceinline__ uint16_t ToBf16(float x) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+
+// Offset of 16-byte chunk `chunk` (0..15 over 128 dims) of token row `token` within a K or V
+// half of a stage: TMA's 128-byte swizzle XORs the chunk index with the row index mod 8.
+__device__ __forceinline__ uint32_t SwizzledOffset(int token, int chunk) {
+  return static_cast<uint32_t>((chunk >> 3) * kHalfBytes + token * 128 +
+                               (((chunk & 7) ^ (token & 7)) << 4));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Producer
+template <bool kTma>
+__device__ void Produce(const KernelParams& p, SharedStorage& s, const WorkItem& head, int count,
+                        int lane) {
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int i = 0; i < count; ++i) {
+    const WorkItem it = ItemAt(p, head, i);
+    if (it.num_pages == 0) continue;
+    const int seq = it.seq_head / kNumKvHeads;
+    const int kvh = it.seq_head % kNumKvHeads;
+    const uint16_t* q_src =
+        p.q + (int64_t{seq} * kNumQoHeads + kvh * kGroupSize) * int64_t{kHeadDim};
+    for (int base = 0; base < it.num_pages; base += 32) {
+      const int n = min(32, it.num_pages - base);
+      const int my_page = lane < n ? __ldg(p.kv_indices + it.page_begin + base + lane) : 0;
+      for (int j = 0; j < n; ++j) {
+        const int page = __shfl_sync(0xffffffffu, my_page, j);
+        const bool first = base + j == 0;
+        const uint32_t full = ptx::SmemAddr(&s.full[stage]);
+        const uint32_t empty = ptx::SmemAddr(&s.empty[stage]);
+        const uint32_t dst = ptx::SmemAddr(s.stage[stage]);
+        if constexpr (kTma) {
+          if (lane == 0) {
+            ptx::MbarWait(empty, phase ^ 1);
+            ptx::MbarArriveExpectTx(full, kStageBytes + (first ? kQBytes : 0));
+            ptx::TmaLoad4d(dst, &p.k_map, 0, kvh, 0, page, full);
+            ptx::TmaLoad4d(dst + kHalfBytes, &p.k_map, 64, kvh, 0, page, full);
+            ptx::TmaLoad4d(dst + 2 * kHalfBytes, &p.v_map, 0, kvh, 0, page, full);
+            ptx::TmaLoad4d(dst + 3 * kHalfBytes, &p.v_map, 64, kvh, 0, page, full);
+            if (first) ptx::BulkLoad(ptx::SmemAddr(s.q[stage]), q_src, kQBytes, full);
+          }
+        } else {
+          ptx::MbarWait(empty, phase ^ 1);
+          const int64_t page_off = int64_t{page} * kPageBytes + kvh * kHeadDim * 2;
+          const char* kp = reinterpret_cast<const char*>(p.k_cache) + page_off;
+          const char* vp = reinterpret_cast<const char*>(p.v_cache) + page_off;
+#pragma unroll 8
+          for (int c = lane; c < kPageSize * 16; c += 32) {
+            const int token = c >> 4;
+            const int chunk = c & 15;
+            const uint32_t off = SwizzledOffset(token, chunk);
+            const int src = token * static_cast<int>(kTokenElems * 2) + chunk * 16;
+            ptx::CpAsync16(dst + off, kp + src);
+            ptx::CpAsync16(dst + 2 * kHalfBytes + off, vp + src);
+          }
+          if (first) {
+            for (int c = lane; c < kQBytes / 16; c += 32) {
+              ptx::CpAsync16(ptx::SmemAddr(s.q[stage]) + c * 16,
+                             reinterpret_cast<const char*>(q_src) + c * 16);
+            }
+          }
+          ptx::CpAsyncArriveNoinc(full);
+        }
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Consumers
+
+// One warp's 16 tokens of one stage: scores, online softmax update, O += P V.
+__device__ __forceinline__ void ProcessTile(uint32_t base, const uint32_t (&qa)[8][2], int warp,
+                                            int lane, int valid, float scale_log2,
+                                            float (&o)[16][2], float& m, float& l) {
+  const int r = lane & 7;
+  const int mi = lane >> 3;
+  const int quad = lane & 3;
+  const int t0 = warp * kTokensPerWarp;
+
+  // S[6 heads, 16 tokens]: two n-tiles of 8 tokens, even and odd k-steps accumulated apart.
+  float acc[4][2] = {};
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    const int token = t0 + ((mi >> 1) << 3) + r;
+    const int chunk = 2 * ks + (mi & 1);
+    uint32_t b[4];
+    ptx::Ldsm4(base + SwizzledOffset(token, chunk), b);
+    const int c = (ks & 1) * 2;
+    ptx::MmaRows8(acc[c][0], acc[c][1], qa[ks][0], qa[ks][1], b[0], b[1]);
+    ptx::MmaRows8(acc[c + 1][0], acc[c + 1][1], qa[ks][0], qa[ks][1], b[2], b[3]);
+  }
+  float x[2][2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int token = t0 + 8 * j + 2 * quad + e;
+      const float v = (acc[j][e] + acc[2 + j][e]) * scale_log2;
+      x[j][e] = token < valid ? v : -INFINITY;
+    }
+  }
+  float mx = fmaxf(fmaxf(x[0][0], x[0][1]), fmaxf(x[1][0], x[1][1]));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float m_new = fmaxf(m, mx);  // finite: token t0 is valid and in every quad
+  const float alpha = ptx::Exp2(m - m_new);
+  float pr[2][2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) pr[j][e] = ptx::Exp2(x[j][e] - m_new);
+  }
+  l = l * alpha + ((pr[0][0] + pr[0][1]) + (pr[1][0] + pr[1][1]));
+  m = m_new;
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    o[n][0] *= alpha;
+    o[n][1] *= alpha;
+  }
+  const uint32_t pa0 = ptx::PackBf16(pr[0][0], pr[0][1]);
+  const uint32_t pa2 = ptx::PackBf16(pr[1][0], pr[1][1]);
+  const uint32_t vbase = base + 2 * kHalfBytes;
+#pragma unroll
+  for (int np = 0; np < 8; ++np) {
+    const int token = t0 + ((mi & 1) << 3) + r;
+    const int chunk = 2 * np + (mi >> 1);
+    uint32_t b[4];
+    ptx::Ldsm4Trans(vbase + SwizzledOffset(token, chunk), b);
+    ptx::MmaRows8(o[2 * np][0], o[2 * np][1], pa0, pa2, b[0], b[1]);
+    ptx::MmaRows8(o[2 * np + 1][0], o[2 * np + 1][1], pa0, pa2, b[2], b[3]);
+  }
+}
+
+// Zeroes V rows [from, to) of a stage, so that whatever lies past the sequence's last token
+// (NaN included) cannot reach the output through P = 0.
+__device__ __forceinline__ void ZeroVRows(uint8_t* stage, int from, int to, int lane) {
+  const int n = (to - from) * 16;
+  for (int idx = lane; idx < n; idx += 32) {
+    const int row = from + (idx >> 4);
+    const int half = (idx >> 3) & 1;
+    const int chunk = idx & 7;
+    *reinterpret_cast<uint4*>(stage + 2 * kHalfBytes + half * kHalfBytes + row * 128 +
+                              chunk * 16) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+__device__ void WriteEmpty(const KernelParams& p, int row0, int tid) {
+#pragma unroll
+  for (int g = 0; g < kGroupSize; ++g) p.output[int64_t{row0 + g} * kHeadDim + tid] = 0;
+  if (tid < kGroupSize) p.lse[row0 + tid] = -INFINITY;
+}
+
+// The last CTA of a merge group combines its pieces' partial results by their log-sum-exp.
+__device__ void Merge(const KernelParams& p, SharedStorage& s, int group, int64_t row0, int warp,
+                      int lane) {
+  const int2 grp = __ldg(reinterpret_cast<const int2*>(p.groups + group));
+  const int sb = grp.x;
+  const int n = grp.y;
+  for (int g = warp; g < kGroupSize; g += kConsumerWarps) {
+    float mx = -INFINITY;
+    for (int q = lane; q < n; q += 32) mx = fmaxf(mx, __ldcg(p.part_lse + (sb + q) * kGroupSize + g));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float sum = 0.0f;
+    for (int q = lane; q < n; q += 32) {
+      const float e = ptx::Exp2(__ldcg(p.part_lse + (sb + q) * kGroupSize + g) - mx);
+      s.weights[q][g] = e;
+      sum += e;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    const float inv = 1.0f / sum;
+    for (int q = lane; q < n; q += 32) s.weights[q][g] *= inv;
+    if (lane == 0) p.lse[row0 + g] = mx + log2f(sum);
+  }
+  ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
+
+  // Warp w sums pieces w, w+4, ...; lane holds dims 4*lane..4*lane+3 of all 6 rows.
+  const float4* part = reinterpret_cast<const float4*>(p.part_o) +
+                       int64_t{sb} * (kPartialFloats / 4) + lane;
+  float4 acc[kGroupSize];
+#pragma unroll
+  for (int g = 0; g < kGroupSize; ++g) acc[g] = make_float4(0.f, 0.f, 0.f, 0.f);
+  int q = warp;
+  for (; q + kConsumerWarps < n; q += 2 * kConsumerWarps) {
+    float4 a[kGroupSize], b[kGroupSize];
+#pragma unroll
+    for (int g = 0; g < kGroupSize; ++g) {
+      a[g] = __ldcg(part + int64_t{q} * (kPartialFloats / 4) + g * 32);
+      b[g] = __ldcg(part + int64_t{q + kConsumerWarps} * (kPartialFloats / 4) + g * 32);
+    }
+#pragma unroll
+    for (int g = 0; g < kGroupSize; ++g) {
+      const float wa = s.weights[q][g];
+      const float wb = s.weights[q + kConsumerWarps][g];
+      acc[g].x += wa * a[g].x + wb * b[g].x;
+      acc[g].y += wa * a[g].y + wb * b[g].y;
+      acc[g].z += wa * a[g].z + wb * b[g].z;
+      acc[g].w += wa * a[g].w + wb * b[g].w;
+    }
+  }
+  if (q < n) {
+#pragma unroll
+    for (int g = 0; g < kGroupSize; ++g) {
+      const float4 a = __ldcg(part + int64_t{q} * (kPartialFloats / 4) + g * 32);
+      const float wa = s.weights[q][g];
+      acc[g].x += wa * a.x;
+      acc[g].y += wa * a.y;
+      acc[g].z += wa * a.z;
+      acc[g].w += wa * a.w;
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < kGroupSize; ++g) {
+    *reinterpret_cast<float4*>(&s.scratch_o[warp][g][4 * lane]) = acc[g];
+  }
+  ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
+  const int tid = warp * 32 + lane;
+#pragma unroll
+  for (int g = 0; g < kGroupSize; ++g) {
+    float v = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kConsumerWarps; ++w) v += s.scratch_o[w][g][tid];
+    p.output[(row0 + g) * kHeadDim + tid] = ToBf16(v);
+  }
+  ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
+}
+
+// End of an item: combine the 4 warps, then write the output or a partial result.
+__device__ void Finalize(const KernelParams& p, SharedStorage& s, const WorkItem& it,
+                         int64_t row0, int warp, int lane, const float (&o)[16][2], float m,
+                         float l) {
+  const int g = lane >> 2;
+  const int quad = lane & 3;
+  const int tid = warp * 32 + lane;
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  if (g < kGroupSize) {
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      *reinterpret_cast<float2*>(&s.scratch_o[warp][g][8 * n + 2 * quad]) =
+          make_float2(o[n][0], o[n][1]);
+    }
+    if (quad == 0) {
+      s.scratch_m[warp][g] = m;
+      s.scratch_l[warp][g] = l;
+    }
+  }
+  ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
+  float out[kGroupSize];
+  float lse2[kGroupSize];
+#pragma unroll
+  for (int h = 0; h < kGroupSize; ++h) {
+    float mx = s.scratch_m[0][h];
+#pragma unroll
+    for (int w = 1; w < kConsumerWarps; ++w) mx = fmaxf(mx, s.scratch_m[w][h]);
+    float sum = 0.0f;
+    float acc = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kConsumerWarps; ++w) {
+      const float e = ptx::Exp2(s.scratch_m[w][h] - mx);
+      sum += e * s.scratch_l[w][h];
+      acc += e * s.scratch_o[w][h][tid];
+    }
+    out[h] = acc / sum;
+    lse2[h] = mx + log2f(sum);
+  }
+  ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
+  if (it.slot < 0) {
+#pragma unroll
+    for (int h = 0; h < kGroupSize; ++h) p.output[(row0 + h) * kHeadDim + tid] = ToBf16(out[h]);
+    if (tid == 0) {
+#pragma unroll
+      for (int h = 0; h < kGroupSize; ++h) p.lse[row0 + h] = lse2[h];
+    }
+    return;
+  }
+  float* po = p.part_o + int64_t{it.slot} * kPartialFloats;
+#pragma unroll
+  for (int h = 0; h < kGroupSize; ++h) po[h * kHeadDim + tid] = out[h];
+  if (tid == 0) {
+#pragma unroll
+    for (int h = 0; h < kGroupSize; ++h) p.part_lse[it.slot * kGroupSize + h] = lse2[h];
+  }
+  __threadfence();
+  ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
+  if (tid == 0) {
+    const int pieces = __ldg(&p.groups[it.group].num_pieces);
+    const int prev = atomicAdd(&p.counters[it.group], 1);
+    const int last = prev == pieces - 1;
+    if (last) {
+      p.counters[it.group] = 0;  // every piece has arrived: ready for the next launch
+      __threadfence();
+    }
+    s.is_last = last;
+  }
+  ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
+  if (s.is_last) Merge(p, s, it.group, row0, warp, lane);
+}
+
+__device__ void Consume(const KernelParams& p, SharedStorage& s, const WorkItem& head, int count,
+                        int warp, int lane) {
+  const int g = lane >> 2;
+  const int quad = lane & 3;
+  const int tid = warp * 32 + lane;
+  const int t0 = warp * kTokensPerWarp;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int i = 0; i < count; ++i) {
+    const WorkItem it = ItemAt(p, head, i);
+    const int seq = it.seq_head / kNumKvHeads;
+    const int kvh = it.seq_head % kNumKvHeads;
+    const int64_t row0 = int64_t{seq} * kNumQoHeads + kvh * kGroupSize;
+    if (it.num_pages == 0) {
+      WriteEmpty(p, static_cast<int>(row0), tid);
+      continue;
+    }
+    float o[16][2];
+#pragma unroll
+    for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = 0.0f;
+    float m = -INFINITY;
+    float l = 0.0f;
+    uint32_t qa[8][2];
+    for (int pg = 0; pg < it.num_pages; ++pg) {
+      ptx::MbarWait(ptx::SmemAddr(&s.full[stage]), phase);
+      if (pg == 0) {
+        const uint32_t qrow = ptx::SmemAddr(s.q[stage]) + g * kHeadDim * 2 + quad * 4;
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks) {
+          qa[ks][0] = g < kGroupSize ? ptx::LdsU32(qrow + ks * 32) : 0u;
+          qa[ks][1] = g < kGroupSize ? ptx::LdsU32(qrow + ks * 32 + 16) : 0u;
+        }
+      }
+      const int valid = pg == it.num_pages - 1 ? it.last_len : kPageSize;
+      if (t0 < valid) {
+        const bool tail = valid < t0 + kTokensPerWarp;
+        if (tail) {
+          ZeroVRows(s.stage[stage], valid, t0 + kTokensPerWarp, lane);
+          __syncwarp();
+        }
+        ProcessTile(ptx::SmemAddr(s.stage[stage]), qa, warp, lane, valid, p.scale_log2, o, m, l);
+        if (tail) ptx::FenceProxyAsync();
+      }
+      __syncwarp();
+      if (lane == 0) ptx::MbarArrive(ptx::SmemAddr(&s.empty[stage]));
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    Finalize(p, s, it, row0, warp, lane, o, m, l);
+  }
+}
+
+template <bool kTma>
+__global__ void __launch_bounds__(kThreads, 1) PagedDecodeKernel(const __grid_constant__ KernelParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  SharedStorage& s = *reinterpret_cast<SharedStorage*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const WorkItem head = LoadItem(p.items + blockIdx.x);
+  const int count = head.seq_head < 0 ? 0 : 1 + head.rest_count;
+  if (count == 0) return;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      ptx::MbarInit(ptx::SmemAddr(&s.full[i]), kTma ? 1 : 32);
+      ptx::MbarInit(ptx::SmemAddr(&s.empty[i]), kConsumerWarps);
+    }
+    ptx::FenceBarrierInit();
+  }
+  if (kTma && warp == kConsumerWarps && lane == 0) {
+    ptx::PrefetchTensorMap(&p.k_map);
+    ptx::PrefetchTensorMap(&p.v_map);
+  }
+  __syncthreads();
+  if (warp == kConsumerWarps) {
+    Produce<kTma>(p, s, head, count, lane);
+  } else {
+    Consume(p, s, head, count, warp, lane);
+  }
+}
+
+}  // namespace pagedattn::kernels::detail

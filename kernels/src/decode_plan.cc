@@ -1,0 +1,191 @@
+#include "pagedattn/kernels/decode_plan.h"
+
+#include <string>
+
+#include "pagedattn/kernels/decode.h"
+
+namespace pagedattn::kernels {
+
+size_t PlanCapacity::ItemsOffset() const {
+  const size_t groups_bytes = static_cast<size_t>(MaxGroups()) * sizeof(MergeGroup);
+  return (groups_bytes + 31) / 32 * 32;
+}
+
+size_t PlanCapacity::TableBytes() const {
+  return ItemsOffset() + static_cast<size_t>(num_ctas + MaxItems()) * sizeof(WorkItem);
+}
+
+namespace {
+
+KernelStatus Invalid(std::string message) {
+  return KernelStatus::Error(KernelCode::kInvalidArgument, std::move(message));
+}
+
+// Walks the (sequence, KV head) segments of the unit line in order.
+class SegmentCursor {
+ public:
+  SegmentCursor(const int32_t* kv_indptr, int32_t batch_size)
+      : indptr_(kv_indptr), batch_size_(batch_size) {
+    SkipEmpty();
+  }
+  bool done() const { return b_ >= batch_size_; }
+  int32_t seq() const { return b_; }
+  int32_t head() const { return h_; }
+  int32_t pages() const { return indptr_[b_ + 1] - indptr_[b_]; }
+  int64_t begin() const { return 4 * int64_t{indptr_[b_]} + int64_t{h_} * pages(); }
+  int64_t end() const { return begin() + pages(); }
+  void Next() {
+    if (++h_ == kNumKvHeads) {
+      h_ = 0;
+      ++b_;
+    }
+    SkipEmpty();
+  }
+
+ private:
+  void SkipEmpty() {
+    while (b_ < batch_size_ && indptr_[b_ + 1] == indptr_[b_]) ++b_;
+  }
+  const int32_t* indptr_;
+  int32_t batch_size_;
+  int32_t b_ = 0;
+  int h_ = 0;
+};
+
+}  // namespace
+
+KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_page_len,
+                             int32_t batch_size, const PlanCapacity& capacity, void* table,
+                             PlanSummary* summary) {
+  const int32_t num_ctas = capacity.num_ctas;
+  if (num_ctas < 1 || num_ctas > kMaxPlanCtas) {
+    return Invalid("plan: num_ctas " + std::to_string(num_ctas) + " outside 1.." +
+                   std::to_string(kMaxPlanCtas));
+  }
+  if (batch_size < 0 || batch_size > capacity.max_batch_size) {
+    return Invalid("plan: batch_size " + std::to_string(batch_size) + " outside 0.." +
+                   std::to_string(capacity.max_batch_size));
+  }
+  if (table == nullptr || summary == nullptr) return Invalid("plan: null table or summary");
+  if (batch_size > 0 && (kv_indptr == nullptr || kv_last_page_len == nullptr)) {
+    return Invalid("plan: null kv_indptr or kv_last_page_len");
+  }
+  if (batch_size > 0 && kv_indptr[0] != 0) return Invalid("plan: kv_indptr[0] != 0");
+  int32_t num_empty = 0;
+  for (int32_t b = 0; b < batch_size; ++b) {
+    const int32_t pages = kv_indptr[b + 1] - kv_indptr[b];
+    if (kv_indptr[b + 1] < kv_indptr[b]) {
+      return Invalid("plan: kv_indptr decreases at " + std::to_string(b + 1));
+    }
+    if (pages == 0) {
+      ++num_empty;
+    } else if (kv_last_page_len[b] < 1 || kv_last_page_len[b] > kPageSize) {
+      return Invalid("plan: kv_last_page_len[" + std::to_string(b) + "] = " +
+                     std::to_string(kv_last_page_len[b]) + " outside 1..64");
+    }
+  }
+
+  auto* groups = reinterpret_cast<MergeGroup*>(static_cast<char*>(table) +
+                                               capacity.GroupsOffset());
+  auto* items = reinterpret_cast<WorkItem*>(static_cast<char*>(table) + capacity.ItemsOffset());
+  const int64_t max_rest = capacity.MaxItems();
+
+  const int64_t total_pages = batch_size > 0 ? kv_indptr[batch_size] : 0;
+  const int64_t units = int64_t{kNumKvHeads} * total_pages;
+  int32_t num_groups = 0;
+  int32_t num_slots = 0;
+  int32_t num_items = 0;
+  int32_t active_ctas = 0;
+  int64_t rest_used = 0;
+  // The group of the segment currently being split, and which segment that is.
+  int32_t open_group = -1;
+  int64_t open_segment_begin = -1;
+
+  SegmentCursor cursor(kv_indptr, batch_size);
+  int64_t empty_seen = 0;  // empty (seq, head) pairs dealt out so far
+  int32_t empty_b = 0;     // scan position for empty sequences
+
+  for (int32_t c = 0; c < num_ctas; ++c) {
+    const int64_t lo = units * c / num_ctas;
+    const int64_t hi = units * (c + 1) / num_ctas;
+    int32_t count = 0;
+    const int64_t rest_start = rest_used;
+    auto emit = [&](const WorkItem& item) -> bool {
+      if (count == 0) {
+        items[c] = item;
+      } else {
+        if (rest_used >= max_rest) return false;
+        items[num_ctas + rest_used++] = item;
+      }
+      ++count;
+      return true;
+    };
+    while (!cursor.done() && cursor.end() <= lo) cursor.Next();
+
+    // Pass 0 emits the pieces of segments cut by this range's ends (partial results first, so
+    // that merges happen early and overlap other work); pass 1 the whole segments inside it.
+    for (int pass = 0; pass < 2; ++pass) {
+      SegmentCursor seg = cursor;
+      for (; !seg.done() && seg.begin() < hi; seg.Next()) {
+        const int64_t a = seg.begin() > lo ? seg.begin() : lo;
+        const int64_t e = seg.end() < hi ? seg.end() : hi;
+        const bool whole = a == seg.begin() && e == seg.end();
+        if (whole != (pass == 1)) continue;
+        WorkItem item;
+        item.page_begin = static_cast<int32_t>(kv_indptr[seg.seq()] + (a - seg.begin()));
+        item.num_pages = static_cast<int32_t>(e - a);
+        item.seq_head = seg.seq() * kNumKvHeads + seg.head();
+        item.last_len = e == seg.end() ? kv_last_page_len[seg.seq()] : kPageSize;
+        if (!whole) {
+          if (open_segment_begin != seg.begin()) {
+            if (num_groups >= capacity.MaxGroups()) return Invalid("plan: merge groups overflow");
+            open_group = num_groups++;
+            open_segment_begin = seg.begin();
+            groups[open_group] = MergeGroup{num_slots, 0};
+          }
+          if (num_slots >= capacity.MaxSlots()) return Invalid("plan: partial slots overflow");
+          item.slot = num_slots++;
+          item.group = open_group;
+          ++groups[open_group].num_pieces;
+        }
+        if (!emit(item)) return Invalid("plan: item table overflow");
+      }
+    }
+    // Empty sequences: each (seq, head) writes zeros and -inf; CTA c takes an equal share.
+    const int64_t empty_pairs = int64_t{kNumKvHeads} * num_empty;
+    const int64_t empty_hi = empty_pairs * (c + 1) / num_ctas;
+    for (; empty_seen < empty_hi; ++empty_seen) {
+      while (kv_indptr[empty_b + 1] != kv_indptr[empty_b]) ++empty_b;
+      WorkItem item;
+      item.page_begin = kv_indptr[empty_b];
+      item.num_pages = 0;
+      item.seq_head = empty_b * kNumKvHeads + empty_seen % kNumKvHeads;
+      item.last_len = 0;
+      if (!emit(item)) return Invalid("plan: item table overflow");
+      if (empty_seen % kNumKvHeads == kNumKvHeads - 1) ++empty_b;
+    }
+    if (count == 0) {
+      items[c] = WorkItem{};
+    } else {
+      ++active_ctas;
+      items[c].rest_begin = static_cast<int32_t>(num_ctas + rest_start);
+      items[c].rest_count = count - 1;
+    }
+    num_items += count;
+  }
+  if (empty_seen != int64_t{kNumKvHeads} * num_empty) {
+    return Invalid("plan: internal error dealing empty sequences");
+  }
+
+  summary->batch_size = batch_size;
+  summary->total_pages = total_pages;
+  summary->num_items = num_items;
+  summary->num_groups = num_groups;
+  summary->num_slots = num_slots;
+  summary->active_ctas = active_ctas;
+  summary->used_bytes =
+      capacity.ItemsOffset() + static_cast<size_t>(num_ctas + rest_used) * sizeof(WorkItem);
+  return KernelStatus::Ok();
+}
+
+}  // namespace pagedattn::kernels

@@ -1,0 +1,363 @@
+// CPU tests of the CUDA decoder's plan step (label unit): coverage, balance, merge groups, and
+// a CPU execution of a plan (pieces, partial results, log-sum-exp merge) against the float64
+// reference.
+#include "pagedattn/kernels/decode_plan.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "pagedattn/kernels/decode.h"
+
+namespace pagedattn::kernels {
+namespace {
+
+struct Batch {
+  std::vector<int32_t> indptr{0};
+  std::vector<int32_t> last;
+  void Add(int32_t pages, int32_t last_len) {
+    indptr.push_back(indptr.back() + pages);
+    last.push_back(pages == 0 ? 0 : last_len);
+  }
+  int32_t size() const { return static_cast<int32_t>(last.size()); }
+};
+
+struct PlanOutput {
+  PlanCapacity cap;
+  std::vector<uint64_t> storage;  // 8-byte aligned
+  PlanSummary summary;
+  KernelStatus status;
+  const WorkItem* items() const {
+    return reinterpret_cast<const WorkItem*>(reinterpret_cast<const char*>(storage.data()) +
+                                             cap.ItemsOffset());
+  }
+  const MergeGroup* groups() const {
+    return reinterpret_cast<const MergeGroup*>(storage.data());
+  }
+  // CTA c's items in processing order.
+  std::vector<WorkItem> CtaItems(int c) const {
+    std::vector<WorkItem> out;
+    const WorkItem head = items()[c];
+    if (head.seq_head < 0) return out;
+    out.push_back(head);
+    for (int i = 0; i < head.rest_count; ++i) out.push_back(items()[head.rest_begin + i]);
+    return out;
+  }
+};
+
+PlanOutput MakePlan(const Batch& b, int num_ctas, int max_batch = 4096) {
+  PlanOutput out;
+  out.cap.num_ctas = num_ctas;
+  out.cap.max_batch_size = max_batch;
+  out.storage.assign(out.cap.TableBytes() / 8 + 1, 0);
+  out.status = BuildDecodePlan(b.indptr.data(), b.last.data(), b.size(), out.cap,
+                               out.storage.data(), &out.summary);
+  return out;
+}
+
+Batch RandomBatch(std::mt19937& rng, int size, int max_pages, double empty_fraction) {
+  Batch b;
+  std::uniform_int_distribution<int> pages(1, max_pages);
+  std::uniform_int_distribution<int> last(1, kPageSize);
+  std::bernoulli_distribution empty(empty_fraction);
+  for (int i = 0; i < size; ++i) b.Add(empty(rng) ? 0 : pages(rng), last(rng));
+  return b;
+}
+
+// Checks every structural property of a plan; `units` (optional) gets the pages of each CTA.
+void CheckPlan(const Batch& b, const PlanOutput& plan, std::vector<int64_t>* units_out = nullptr) {
+  EXPECT_TRUE(plan.status.ok()) << plan.status.message;
+  const int num_ctas = plan.cap.num_ctas;
+  // covered[(seq*4 + head)] -> count per page position
+  std::vector<std::vector<int>> covered(b.size() * kNumKvHeads);
+  std::vector<int> empty_written(b.size() * kNumKvHeads, 0);
+  for (int s = 0; s < b.size() * kNumKvHeads; ++s) {
+    covered[s].assign(b.indptr[s / 4 + 1] - b.indptr[s / 4], 0);
+  }
+  std::vector<int64_t> units(num_ctas, 0);
+  std::vector<int> slot_seen(plan.summary.num_slots, 0);
+  std::vector<int> group_pieces(plan.summary.num_groups, 0);
+  int items = 0;
+  for (int c = 0; c < num_ctas; ++c) {
+    bool seen_whole = false;
+    for (const WorkItem& it : plan.CtaItems(c)) {
+      ++items;
+      EXPECT_GE(it.seq_head, 0);
+      const int seq = it.seq_head / kNumKvHeads;
+      const int32_t seq_pages = b.indptr[seq + 1] - b.indptr[seq];
+      if (it.num_pages == 0) {
+        EXPECT_EQ(seq_pages, 0);
+        ++empty_written[it.seq_head];
+        continue;
+      }
+      const int first = it.page_begin - b.indptr[seq];
+      ASSERT_GE(first, 0);
+      ASSERT_LE(first + it.num_pages, seq_pages);
+      for (int i = 0; i < it.num_pages; ++i) ++covered[it.seq_head][first + i];
+      units[c] += it.num_pages;
+      const bool ends_sequence = first + it.num_pages == seq_pages;
+      EXPECT_EQ(it.last_len, ends_sequence ? b.last[seq] : kPageSize);
+      const bool whole = it.num_pages == seq_pages;
+      if (whole) {
+        EXPECT_EQ(it.slot, -1);
+        seen_whole = true;
+      } else {
+        EXPECT_FALSE(seen_whole) << "partial items must come before whole ones in CTA " << c;
+        ASSERT_GE(it.slot, 0);
+        ASSERT_LT(it.slot, plan.summary.num_slots);
+        ASSERT_GE(it.group, 0);
+        ASSERT_LT(it.group, plan.summary.num_groups);
+        ++slot_seen[it.slot];
+        ++group_pieces[it.group];
+        const MergeGroup& g = plan.groups()[it.group];
+        EXPECT_GE(it.slot, g.slot_begin);
+        EXPECT_LT(it.slot, g.slot_begin + g.num_pieces);
+      }
+    }
+  }
+  EXPECT_EQ(items, plan.summary.num_items);
+  for (int s = 0; s < b.size() * kNumKvHeads; ++s) {
+    for (int c : covered[s]) EXPECT_EQ(c, 1) << "(seq, head) " << s;
+    const bool empty = b.indptr[s / 4 + 1] == b.indptr[s / 4];
+    EXPECT_EQ(empty_written[s], empty ? 1 : 0) << "(seq, head) " << s;
+  }
+  for (int v : slot_seen) EXPECT_EQ(v, 1);
+  for (int g = 0; g < plan.summary.num_groups; ++g) {
+    EXPECT_EQ(group_pieces[g], plan.groups()[g].num_pieces);
+    EXPECT_GE(plan.groups()[g].num_pieces, 2);
+    EXPECT_LE(plan.groups()[g].num_pieces, num_ctas);
+  }
+  EXPECT_LE(plan.summary.num_slots, plan.cap.MaxSlots());
+  EXPECT_LE(plan.summary.used_bytes, plan.cap.TableBytes());
+  if (units_out != nullptr) *units_out = units;
+}
+
+TEST(DecodePlanTest, CoversEveryPageOfEveryHeadExactlyOnce) {
+  std::mt19937 rng(1234);
+  for (int trial = 0; trial < 60; ++trial) {
+    const int size = 1 + trial * 7 % 300;
+    const Batch b = RandomBatch(rng, size, 1 + trial * 37 % 400, trial % 3 == 0 ? 0.2 : 0.0);
+    for (int ctas : {1, 7, 132, 256}) {
+      SCOPED_TRACE("trial " + std::to_string(trial) + " ctas " + std::to_string(ctas));
+      CheckPlan(b, MakePlan(b, ctas));
+    }
+  }
+}
+
+TEST(DecodePlanTest, BalancesUnitsToWithinOnePage) {
+  std::mt19937 rng(99);
+  for (int trial = 0; trial < 20; ++trial) {
+    const Batch b = RandomBatch(rng, 1 + trial * 13, 2000, 0.1);
+    const PlanOutput plan = MakePlan(b, 132);
+    std::vector<int64_t> units;
+    CheckPlan(b, plan, &units);
+    const auto [lo, hi] = std::minmax_element(units.begin(), units.end());
+    EXPECT_LE(*hi - *lo, 1);
+    EXPECT_EQ(std::accumulate(units.begin(), units.end(), int64_t{0}),
+              int64_t{kNumKvHeads} * b.indptr.back());
+  }
+}
+
+TEST(DecodePlanTest, UnevenBatchIsAsBalancedAsAUniformOne) {
+  Batch uneven;
+  uneven.Add(4000, 64);
+  for (int i = 0; i < 300; ++i) uneven.Add(16, 64);
+  std::vector<int64_t> units;
+  CheckPlan(uneven, MakePlan(uneven, 132), &units);
+  const auto [lo, hi] = std::minmax_element(units.begin(), units.end());
+  EXPECT_LE(*hi - *lo, 1);
+}
+
+TEST(DecodePlanTest, SplitsOneLongSequenceOverEveryCta) {
+  Batch b;
+  b.Add(40000, 17);
+  const PlanOutput plan = MakePlan(b, 132);
+  CheckPlan(b, plan);
+  EXPECT_EQ(plan.summary.active_ctas, 132);
+  EXPECT_EQ(plan.summary.num_groups, kNumKvHeads);
+  EXPECT_EQ(plan.summary.num_slots, 132);
+  for (int g = 0; g < 4; ++g) EXPECT_EQ(plan.groups()[g].num_pieces, 33);
+}
+
+TEST(DecodePlanTest, SmallBatchLeavesSpareCtasIdle) {
+  Batch b;
+  b.Add(1, 5);
+  const PlanOutput plan = MakePlan(b, 132);
+  CheckPlan(b, plan);
+  EXPECT_EQ(plan.summary.active_ctas, 4);
+  EXPECT_EQ(plan.summary.num_groups, 0);
+}
+
+TEST(DecodePlanTest, EmptySequencesGetEmptyItems) {
+  Batch b;
+  for (int p : {0, 3, 0, 0, 130, 0}) b.Add(p, 9);
+  CheckPlan(b, MakePlan(b, 132));
+  CheckPlan(b, MakePlan(b, 3));
+  Batch all_empty;
+  for (int i = 0; i < 600; ++i) all_empty.Add(0, 0);
+  const PlanOutput plan = MakePlan(all_empty, 132);
+  CheckPlan(all_empty, plan);
+  EXPECT_EQ(plan.summary.num_items, 2400);
+  EXPECT_EQ(plan.summary.active_ctas, 132);
+}
+
+TEST(DecodePlanTest, EmptyBatchPlansNothing) {
+  Batch b;
+  const PlanOutput plan = MakePlan(b, 132);
+  ASSERT_TRUE(plan.status.ok());
+  EXPECT_EQ(plan.summary.num_items, 0);
+  EXPECT_EQ(plan.summary.active_ctas, 0);
+}
+
+TEST(DecodePlanTest, FillsCapacityWithoutOverflow) {
+  Batch b;
+  std::mt19937 rng(5);
+  for (int i = 0; i < 4096; ++i) b.Add(i % 5 == 0 ? 0 : 1 + rng() % 3, 1 + rng() % 64);
+  CheckPlan(b, MakePlan(b, 256, 4096));
+}
+
+TEST(DecodePlanTest, RejectsInvalidBatches) {
+  PlanCapacity cap{132, 8};
+  std::vector<uint64_t> table(cap.TableBytes() / 8 + 1);
+  PlanSummary summary;
+  auto plan = [&](std::vector<int32_t> indptr, std::vector<int32_t> last, int32_t n) {
+    return BuildDecodePlan(indptr.data(), last.data(), n, cap, table.data(), &summary).code;
+  };
+  EXPECT_EQ(plan({1, 2}, {1}, 1), KernelCode::kInvalidArgument);          // indptr[0] != 0
+  EXPECT_EQ(plan({0, 5, 3}, {1, 1}, 2), KernelCode::kInvalidArgument);    // decreasing
+  EXPECT_EQ(plan({0, 5}, {0}, 1), KernelCode::kInvalidArgument);          // last_len 0
+  EXPECT_EQ(plan({0, 5}, {65}, 1), KernelCode::kInvalidArgument);         // last_len 65
+  EXPECT_EQ(plan(std::vector<int32_t>(10, 0), std::vector<int32_t>(9, 0), 9),
+            KernelCode::kInvalidArgument);                                // over max batch
+  EXPECT_EQ(plan({0, 0}, {0}, 1), KernelCode::kOk);                       // empty: any last_len
+  EXPECT_EQ(plan({0, 5}, {64}, 1), KernelCode::kOk);
+  PlanCapacity bad{0, 8};
+  std::vector<int32_t> indptr{0, 1}, last{1};
+  EXPECT_EQ(BuildDecodePlan(indptr.data(), last.data(), 1, bad, table.data(), &summary).code,
+            KernelCode::kInvalidArgument);
+  bad.num_ctas = kMaxPlanCtas + 1;
+  EXPECT_EQ(BuildDecodePlan(indptr.data(), last.data(), 1, bad, table.data(), &summary).code,
+            KernelCode::kInvalidArgument);
+}
+
+// Executes a plan on the CPU the way the kernel does (each item's own softmax, partial results
+// normalised, merged by log-sum-exp in base 2) and compares with the float64 reference.
+TEST(DecodePlanTest, PlanExecutedOnCpuMatchesReference) {
+  std::mt19937 rng(42);
+  Batch b;
+  for (int p : {1, 2, 0, 40, 7, 130, 3}) b.Add(p, 1 + static_cast<int>(rng() % 64));
+  const int64_t total = b.indptr.back();
+  const int64_t num_pages = total + 5;
+  std::vector<int32_t> indices(total);
+  for (int64_t i = 0; i < total; ++i) indices[i] = static_cast<int32_t>(rng() % num_pages);
+  std::normal_distribution<float> normal;
+  auto fill = [&](std::vector<uint16_t>& v, int64_t n) {
+    v.resize(n);
+    for (auto& x : v) x = FloatToBf16(normal(rng));
+  };
+  std::vector<uint16_t> q, k, v;
+  fill(q, b.size() * kQueryElems);
+  fill(k, num_pages * kPageElems);
+  fill(v, num_pages * kPageElems);
+  DecodeArgs args;
+  args.q = q.data();
+  args.k_cache = k.data();
+  args.v_cache = v.data();
+  args.kv_indptr = b.indptr.data();
+  args.kv_indices = indices.data();
+  args.kv_last_page_len = b.last.data();
+  args.batch_size = b.size();
+  args.num_pages = num_pages;
+  args.sm_scale = 1.0f / std::sqrt(128.0f);
+  std::vector<double> ref_out(b.size() * kQueryElems), ref_lse(b.size() * kNumQoHeads);
+  DecodeReferenceF64(args, ref_out.data(), ref_lse.data());
+
+  const PlanOutput plan = MakePlan(b, 13);
+  CheckPlan(b, plan);
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<double> out(ref_out.size(), std::nan("")), lse(ref_lse.size(), std::nan(""));
+  std::vector<double> part_o(plan.summary.num_slots * kGroupSize * kHeadDim);
+  std::vector<double> part_lse(plan.summary.num_slots * kGroupSize);
+  for (int c = 0; c < 13; ++c) {
+    for (const WorkItem& it : plan.CtaItems(c)) {
+      const int seq = it.seq_head / 4, kvh = it.seq_head % 4;
+      for (int g = 0; g < kGroupSize; ++g) {
+        const int64_t row = int64_t{seq} * kNumQoHeads + kvh * kGroupSize + g;
+        if (it.num_pages == 0) {
+          for (int d = 0; d < kHeadDim; ++d) out[row * kHeadDim + d] = 0.0;
+          lse[row] = -inf;
+          continue;
+        }
+        std::vector<double> scores, acc(kHeadDim, 0.0);
+        for (int pg = 0; pg < it.num_pages; ++pg) {
+          const int64_t page = indices[it.page_begin + pg];
+          const int valid = pg == it.num_pages - 1 ? it.last_len : kPageSize;
+          for (int t = 0; t < valid; ++t) {
+            double s = 0;
+            for (int d = 0; d < kHeadDim; ++d) {
+              s += double{Bf16ToFloat(q[row * kHeadDim + d])} *
+                   Bf16ToFloat(k[page * kPageElems + t * kTokenElems + kvh * kHeadDim + d]);
+            }
+            scores.push_back(s * args.sm_scale * 1.4426950408889634);
+          }
+        }
+        const double mx = *std::max_element(scores.begin(), scores.end());
+        double sum = 0;
+        size_t si = 0;
+        for (int pg = 0; pg < it.num_pages; ++pg) {
+          const int64_t page = indices[it.page_begin + pg];
+          const int valid = pg == it.num_pages - 1 ? it.last_len : kPageSize;
+          for (int t = 0; t < valid; ++t) {
+            const double e = std::exp2(scores[si++] - mx);
+            sum += e;
+            for (int d = 0; d < kHeadDim; ++d) {
+              acc[d] += e * Bf16ToFloat(v[page * kPageElems + t * kTokenElems + kvh * kHeadDim + d]);
+            }
+          }
+        }
+        double* dst = it.slot < 0 ? &out[row * kHeadDim] : &part_o[(it.slot * kGroupSize + g) * kHeadDim];
+        for (int d = 0; d < kHeadDim; ++d) dst[d] = acc[d] / sum;
+        (it.slot < 0 ? lse[row] : part_lse[it.slot * kGroupSize + g]) = mx + std::log2(sum);
+      }
+    }
+  }
+  // Merge groups: find each group's (seq, head) from any of its items.
+  for (int c = 0; c < 13; ++c) {
+    for (const WorkItem& it : plan.CtaItems(c)) {
+      if (it.slot < 0 || it.slot != plan.groups()[it.group].slot_begin) continue;
+      const MergeGroup& grp = plan.groups()[it.group];
+      const int seq = it.seq_head / 4, kvh = it.seq_head % 4;
+      for (int g = 0; g < kGroupSize; ++g) {
+        const int64_t row = int64_t{seq} * kNumQoHeads + kvh * kGroupSize + g;
+        double mx = -inf;
+        for (int p = 0; p < grp.num_pieces; ++p) mx = std::max(mx, part_lse[(grp.slot_begin + p) * kGroupSize + g]);
+        double sum = 0;
+        std::vector<double> acc(kHeadDim, 0.0);
+        for (int p = 0; p < grp.num_pieces; ++p) {
+          const double w = std::exp2(part_lse[(grp.slot_begin + p) * kGroupSize + g] - mx);
+          sum += w;
+          for (int d = 0; d < kHeadDim; ++d) acc[d] += w * part_o[((grp.slot_begin + p) * kGroupSize + g) * kHeadDim + d];
+        }
+        for (int d = 0; d < kHeadDim; ++d) out[row * kHeadDim + d] = acc[d] / sum;
+        lse[row] = mx + std::log2(sum);
+      }
+    }
+  }
+  for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], ref_out[i], 1e-9) << i;
+  for (size_t i = 0; i < lse.size(); ++i) {
+    if (std::isinf(ref_lse[i])) {
+      EXPECT_TRUE(std::isinf(lse[i]) && lse[i] < 0) << i;
+    } else {
+      EXPECT_NEAR(lse[i], ref_lse[i], 1e-9) << i;
+    }
+  }
+  EXPECT_GT(plan.summary.num_groups, 0);
+}
+
+}  // namespace
+}  // namespace pagedattn::kernels
