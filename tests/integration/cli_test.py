@@ -1,0 +1,82 @@
+"""pagedattn-cli against the real server: every subcommand, K/V from files, the output file,
+JSON of config and stats, and the exit status of a failing call (1) and of bad usage (2).
+
+usage: /usr/bin/python3 cli_test.py --server=BIN --cli=BIN
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pagedattn_testing as t  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--server", required=True)
+    p.add_argument("--cli", required=True)
+    args = p.parse_args()
+    with t.Server(args.server, ["--num_pages=16", "--num_layers=2", "--cpu_threads=2"]) as server, \
+            tempfile.TemporaryDirectory() as work:
+        base = [args.cli, f"--target={server.target}", "--timeout=20s"]
+
+        def run(words, code=0):
+            r = subprocess.run(base + words, capture_output=True, text=True, timeout=60)
+            assert r.returncode == code, (words, r.returncode, r.stdout, r.stderr)
+            return r.stdout, r.stderr
+
+        config = json.loads(run(["config"])[0])
+        assert config["num_layers"] == 2 and config["backend"] == "cpu", config
+        assert int(config["num_pages"]) == 16, config
+
+        run(["create", "5"])
+        _, err = run(["create", "5"], code=1)
+        assert "ALREADY_EXISTS" in err, err
+
+        rng = t.new_rng(3)
+        kb, _ = t.random_bf16(10 * 512, rng)
+        vb, _ = t.random_bf16(10 * 512, rng)
+        kfile, vfile = os.path.join(work, "k.bin"), os.path.join(work, "v.bin")
+        with open(kfile, "wb") as f:
+            f.write(kb)
+        with open(vfile, "wb") as f:
+            f.write(vb)
+        out, _ = run(["append", "5", f"--k_file={kfile}", f"--v_file={vfile}"])
+        assert "appended 10 tokens to 2 layer(s), length 10" in out, out
+        out, _ = run(["append", "5", "--num_tokens=60", "--layer=0"])
+        out, _ = run(["append", "5", "--num_tokens=60", "--layer=1"])
+        assert "length 70" in out, out
+
+        outfile = os.path.join(work, "out.bin")
+        out, _ = run(["decode", "5", "--with_kv", f"--output_file={outfile}"])
+        assert out.count("sequence 5") == 2, out  # one line per layer
+        data = open(outfile, "rb").read()
+        assert len(data) == 24 * 128 * 2, len(data)
+        assert any(v != 0.0 for v in t.decode_bf16(data)), "all-zero output"
+
+        run(["fork", "5", "6"])
+        run(["decode", "5,6", "--layer=1"])
+        _, err = run(["decode", "5,5"], code=1)
+        assert "INVALID_ARGUMENT" in err, err
+        stats = json.loads(run(["stats"])[0])
+        assert int(stats["sequences"]) == 2 and int(stats["tokens"]) == 142, stats
+        assert int(stats["pages_free"]) == 16 - 2, stats
+
+        run(["release", "6"])
+        _, err = run(["release", "6"], code=1)
+        assert "NOT_FOUND" in err, err
+        run(["release", "5"])
+        stats = json.loads(run(["stats"])[0])
+        assert int(stats["pages_free"]) == 16 and int(stats["sequences"]) == 0, stats
+
+        run(["bogus"], code=2)
+        run(["fork", "1"], code=2)
+    print("PASS")
+
+
+if __name__ == "__main__":
+    main()
