@@ -359,26 +359,29 @@ void Engine::Impl::Admit(std::unique_ptr<WorkItem> item) {
 
 void Engine::Impl::ExecutorMain() {
   const size_t max_in_flight = static_cast<size_t>(backend_->max_in_flight());
-  std::deque<InFlight> in_flight;
-  std::vector<InFlight> spare;  // reused batches, so their vectors keep their capacity
+  // Heap-held so that a launched BackendBatch keeps its address until it is waited for.
+  std::deque<std::unique_ptr<InFlight>> in_flight;
+  std::vector<std::unique_ptr<InFlight>> spare;  // reused, so their vectors keep their capacity
   while (true) {
     Batcher::Batch taken;
     if (in_flight.size() < max_in_flight) {
       // Idle: wait for a full batch or the queue delay. Busy: take what is there now, so the
-      // next batch is ready when the running one finishes.
+      // next batch is queued behind the running one on the backend.
       taken = in_flight.empty() ? batcher_->NextBatch() : batcher_->TakeAvailable();
     }
     if (!taken.empty()) {
       PublishQueueDepth();
-      InFlight in;
-      if (!spare.empty()) {
+      std::unique_ptr<InFlight> in;
+      if (spare.empty()) {
+        in = std::make_unique<InFlight>();
+      } else {
         in = std::move(spare.back());
         spare.pop_back();
       }
-      in.items.clear();
-      in.items.reserve(taken.size());
-      for (auto& t : taken) in.items.emplace_back(static_cast<WorkItem*>(t.release()));
-      Prepare(&in);
+      in->items.clear();
+      in->items.reserve(taken.size());
+      for (auto& t : taken) in->items.emplace_back(static_cast<WorkItem*>(t.release()));
+      Prepare(in.get());
       in_flight.push_back(std::move(in));
       continue;
     }
@@ -386,7 +389,7 @@ void Engine::Impl::ExecutorMain() {
       if (batcher_->closed() && batcher_->depth() == 0) break;
       continue;
     }
-    Finish(&in_flight.front());
+    Finish(in_flight.front().get());
     spare.push_back(std::move(in_flight.front()));
     in_flight.pop_front();
   }

@@ -1,86 +1,369 @@
+// The engine's functional behaviour on the CPU backend: appends, decodes, layers, fork and copy
+// on write, release, and every error code leaving the state unchanged.
 #include "server/engine/engine.h"
 
-#include <future>
-#include <random>
-#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "server/backend/cpu_backend.h"
-#include "tests/backend/test_util.h"
+#include "tests/engine/engine_test_util.h"
 
 namespace pagedattn {
 namespace {
 
 namespace k = kernels;
-using testing::Bf16FromBytes;
-using testing::FloatsFromBytes;
-using testing::RandomBf16;
-using testing::ToBytes;
+using testing::AppendSync;
+using testing::DecodeSync;
+using testing::MakeCpuEngine;
+using testing::Model;
+using testing::SameState;
 
-const float kScale = 1.0f / std::sqrt(128.0f);
-
-std::unique_ptr<Engine> MakeEngine(Engine::Options options, int threads = 2) {
-  auto backend = CpuBackend::Create({.num_threads = threads});
-  EXPECT_TRUE(backend.ok()) << backend.status();
-  auto engine = Engine::Create(options, std::move(*backend), nullptr);
-  EXPECT_TRUE(engine.ok()) << engine.status();
-  return std::move(*engine);
+TEST(EngineTest, CreateRejectsBadOptions) {
+  auto backend = [] { return std::move(*CpuBackend::Create({.num_threads = 1})); };
+  EXPECT_TRUE(absl::IsInvalidArgument(Engine::Create({.num_layers = 0}, backend(), nullptr).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(Engine::Create({.num_pages = 0}, backend(), nullptr).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(Engine::Create({.max_batch_size = 0}, backend(), nullptr).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(Engine::Create({.max_queue_depth = 0}, backend(), nullptr).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      Engine::Create({.max_queue_delay = absl::Microseconds(-1)}, backend(), nullptr).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      Engine::Create({.num_layers = 8, .num_pages = int64_t{1} << 29}, backend(), nullptr).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(Engine::Create({}, nullptr, nullptr).status()));
 }
 
-absl::StatusOr<int64_t> AppendSync(Engine& engine, uint64_t id, int32_t layer,
-                                   const std::vector<uint16_t>& k_rows,
-                                   const std::vector<uint16_t>& v_rows) {
-  AppendWork w;
-  w.sequence_id = id;
-  w.layer = layer;
-  w.num_tokens = static_cast<int32_t>(k_rows.size() / k::kTokenElems);
-  w.k = ToBytes(k_rows);
-  w.v = ToBytes(v_rows);
-  std::promise<absl::StatusOr<int64_t>> p;
-  engine.Append(std::move(w), [&p](absl::StatusOr<int64_t> r) { p.set_value(std::move(r)); });
-  return p.get_future().get();
-}
-
-absl::StatusOr<DecodeOutput> DecodeSync(Engine& engine, DecodeWork w) {
-  std::promise<absl::StatusOr<DecodeOutput>> p;
-  engine.Decode(std::move(w), [&p](absl::StatusOr<DecodeOutput> r) { p.set_value(std::move(r)); });
-  return p.get_future().get();
+TEST(EngineTest, ConfigAndInitialStats) {
+  auto engine = MakeCpuEngine({.num_layers = 3, .num_pages = 10, .max_batch_size = 5});
+  ModelConfig c = engine->config();
+  EXPECT_EQ(c.num_qo_heads, 24);
+  EXPECT_EQ(c.num_kv_heads, 4);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_EQ(c.page_size, 64);
+  EXPECT_EQ(c.num_layers, 3);
+  EXPECT_EQ(c.num_pages, 10);
+  EXPECT_EQ(c.max_batch_size, 5);
+  EXPECT_EQ(c.backend, "cpu");
+  EngineStats s = engine->GetStats();
+  EXPECT_EQ(s.pages_total, 10);
+  EXPECT_EQ(s.pages_free, 10);
+  EXPECT_EQ(s.sequences, 0);
+  EXPECT_TRUE(s.healthy);
+  EXPECT_TRUE(engine->health().ok());
 }
 
 TEST(EngineTest, AppendThenDecodeMatchesReference) {
-  auto engine = MakeEngine({.num_layers = 1, .num_pages = 16, .max_batch_size = 8});
-  std::mt19937_64 rng(1);
-  ASSERT_TRUE(engine->CreateSequence(7).ok());
-  const int tokens = 97;
-  auto k_rows = RandomBf16(tokens * k::kTokenElems, rng);
-  auto v_rows = RandomBf16(tokens * k::kTokenElems, rng);
-  auto len = AppendSync(*engine, 7, 0, k_rows, v_rows);
-  ASSERT_TRUE(len.ok()) << len.status();
-  EXPECT_EQ(*len, tokens);
+  auto engine = MakeCpuEngine({.num_layers = 1, .num_pages = 16, .max_batch_size = 8});
+  Model model(1);
+  for (uint64_t id : {1, 2, 3, 4, 5}) {
+    ASSERT_TRUE(engine->CreateSequence(id).ok());
+    model.Create(id);
+  }
+  const std::vector<int32_t> lengths = {1, 63, 64, 65, 97};
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    auto len = AppendSync(*engine, model.MakeAppend(i + 1, 0, lengths[i]));
+    ASSERT_TRUE(len.ok()) << len.status();
+    EXPECT_EQ(*len, lengths[i]);
+  }
+  EngineStats s = engine->GetStats();
+  EXPECT_EQ(s.tokens, 1 + 63 + 64 + 65 + 97);
+  EXPECT_EQ(s.pages_free, 16 - (1 + 1 + 1 + 2 + 2));
+  // Attend only (no k/v), one request over all five sequences; then each alone.
+  DecodeWork all = model.MakeDecode({1, 2, 3, 4, 5}, 0, false);
+  auto out = DecodeSync(*engine, all);
+  ASSERT_TRUE(out.ok()) << out.status();
+  model.Check(all, *out);
+  for (uint64_t id : {1, 2, 3, 4, 5}) {
+    DecodeWork w = model.MakeDecode({id}, 0, false, 0.05f);
+    auto o = DecodeSync(*engine, w);
+    ASSERT_TRUE(o.ok()) << o.status();
+    model.Check(w, *o);
+  }
+  EXPECT_EQ(engine->GetStats().tokens, s.tokens);  // attending adds nothing
+}
 
-  auto q = RandomBf16(k::kQueryElems, rng);
-  DecodeWork w;
-  w.request_id = 42;
-  w.sequence_ids = {7};
-  w.q = ToBytes(q);
-  w.sm_scale = kScale;
+TEST(EngineTest, DecodeWithKvAppendsThenAttendsAcrossPageBoundaries) {
+  auto engine = MakeCpuEngine({.num_layers = 1, .num_pages = 8, .max_batch_size = 8});
+  Model model(1);
+  ASSERT_TRUE(engine->CreateSequence(9).ok());
+  model.Create(9);
+  ASSERT_TRUE(AppendSync(*engine, model.MakeAppend(9, 0, 62)).ok());
+  for (int step = 0; step < 4; ++step) {  // lengths 63, 64, 65, 66
+    DecodeWork w = model.MakeDecode({9}, 0, true);
+    auto out = DecodeSync(*engine, w);
+    ASSERT_TRUE(out.ok()) << out.status();
+    model.Check(w, *out);
+    EXPECT_EQ(engine->GetStats().tokens, 63 + step);
+  }
+  EXPECT_EQ(engine->GetStats().pages_free, 6);
+}
+
+TEST(EngineTest, DecodeOfAnEmptySequenceIsZeroWithMinusInfinityLse) {
+  auto engine = MakeCpuEngine({.num_layers = 1, .num_pages = 4});
+  Model model(1);
+  ASSERT_TRUE(engine->CreateSequence(1).ok());
+  model.Create(1);
+  DecodeWork w = model.MakeDecode({1}, 0, false);
   auto out = DecodeSync(*engine, w);
   ASSERT_TRUE(out.ok()) << out.status();
-  EXPECT_EQ(out->request_id, 42u);
-  auto o = Bf16FromBytes(out->output);
-  auto l = FloatsFromBytes(out->lse);
-  ASSERT_EQ(o.size(), static_cast<size_t>(k::kQueryElems));
-  ASSERT_EQ(l.size(), static_cast<size_t>(k::kNumQoHeads));
-  auto ref = testing::ReferenceForTokens(q.data(), k_rows, v_rows, kScale);
-  testing::ExpectMatchesReference(o.data(), l.data(), ref.out.data(), ref.lse.data(), "decode");
+  model.Check(w, *out);
+}
 
+TEST(EngineTest, MultiLayerStepsCommitAtTheLastLayer) {
+  const int32_t layers = 3;
+  auto engine = MakeCpuEngine({.num_layers = layers, .num_pages = 8, .max_batch_size = 4});
+  Model model(layers);
+  ASSERT_TRUE(engine->CreateSequence(1).ok());
+  model.Create(1);
+  // Prefill of 70 tokens walks the layers; the length grows at the last one only.
+  for (int32_t l = 0; l < layers; ++l) {
+    auto len = AppendSync(*engine, model.MakeAppend(1, l, 70));
+    ASSERT_TRUE(len.ok()) << len.status();
+    EXPECT_EQ(*len, l == layers - 1 ? 70 : 0);
+    EXPECT_EQ(engine->GetStats().pages_free, 6);  // taken at layer 0 only
+  }
+  // Decode steps: each layer writes its own token and attends over that layer's 71 tokens.
+  for (int step = 0; step < 2; ++step) {
+    for (int32_t l = 0; l < layers; ++l) {
+      DecodeWork w = model.MakeDecode({1}, l, true);
+      auto out = DecodeSync(*engine, w);
+      ASSERT_TRUE(out.ok()) << out.status();
+      model.Check(w, *out);
+      if (l == 1) {
+        // Mid-step, an attend-only Decode reads the committed tokens only.
+        DecodeWork r = model.MakeDecode({1}, 2, false);
+        auto ro = DecodeSync(*engine, r);
+        ASSERT_TRUE(ro.ok()) << ro.status();
+        model.Check(r, *ro, {70 + step});
+      }
+    }
+    EXPECT_EQ(engine->GetStats().tokens, 71 + step);
+  }
+}
+
+TEST(EngineTest, ForkSharesPagesAndCopiesTheSharedLastPageOnWrite) {
+  auto engine = MakeCpuEngine({.num_layers = 2, .num_pages = 8, .max_batch_size = 4});
+  Model model(2);
+  ASSERT_TRUE(engine->CreateSequence(1).ok());
+  model.Create(1);
+  for (int32_t l = 0; l < 2; ++l) ASSERT_TRUE(AppendSync(*engine, model.MakeAppend(1, l, 70)).ok());
+  ASSERT_TRUE(engine->ForkSequence(1, 2).ok());
+  model.Fork(1, 2);
   EngineStats s = engine->GetStats();
-  EXPECT_EQ(s.sequences, 1);
-  EXPECT_EQ(s.tokens, tokens);
-  EXPECT_EQ(s.pages_free, 16 - 2);
-  ASSERT_TRUE(engine->ReleaseSequence(7).ok());
-  EXPECT_EQ(engine->GetStats().pages_free, 16);
+  EXPECT_EQ(s.sequences, 2);
+  EXPECT_EQ(s.tokens, 140);
+  EXPECT_EQ(s.pages_free, 6);  // shared, nothing taken
+  // The child writes a token at both layers: its partial last page is copied first.
+  for (int32_t l = 0; l < 2; ++l) {
+    DecodeWork w = model.MakeDecode({2}, l, true);
+    auto out = DecodeSync(*engine, w);
+    ASSERT_TRUE(out.ok()) << out.status();
+    model.Check(w, *out);
+  }
+  EXPECT_EQ(engine->GetStats().pages_free, 5);
+  // The parent still sees its own 70 tokens, then writes its own 71st in place.
+  for (int32_t l = 0; l < 2; ++l) {
+    DecodeWork r = model.MakeDecode({1}, l, false);
+    auto ro = DecodeSync(*engine, r);
+    ASSERT_TRUE(ro.ok());
+    model.Check(r, *ro);
+  }
+  for (int32_t l = 0; l < 2; ++l) {
+    DecodeWork w = model.MakeDecode({1, 2}, l, true);  // both, in one request
+    auto out = DecodeSync(*engine, w);
+    ASSERT_TRUE(out.ok()) << out.status();
+    model.Check(w, *out);
+  }
+  EXPECT_EQ(engine->GetStats().pages_free, 5);
+  // Release the parent: the shared first page stays with the child.
+  ASSERT_TRUE(engine->ReleaseSequence(1).ok());
+  model.Release(1);
+  EXPECT_EQ(engine->GetStats().pages_free, 6);
+  DecodeWork r = model.MakeDecode({2}, 1, false);
+  auto ro = DecodeSync(*engine, r);
+  ASSERT_TRUE(ro.ok());
+  model.Check(r, *ro);
+  ASSERT_TRUE(engine->ReleaseSequence(2).ok());
+  EXPECT_EQ(engine->GetStats().pages_free, 8);
+  EXPECT_EQ(engine->GetStats().sequences, 0);
+  EXPECT_EQ(engine->GetStats().tokens, 0);
+}
+
+// Every error code, each checked to leave the engine's state as it was.
+class EngineErrorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    engine_ = MakeCpuEngine({.num_layers = 2, .num_pages = 4, .max_batch_size = 3});
+    for (uint64_t id : {1, 2}) {
+      ASSERT_TRUE(engine_->CreateSequence(id).ok());
+      model_.Create(id);
+    }
+    for (int32_t l = 0; l < 2; ++l) ASSERT_TRUE(AppendSync(*engine_, model_.MakeAppend(1, l, 70)).ok());
+    before_ = engine_->GetStats();
+  }
+  void ExpectUnchanged() {
+    EngineStats after = engine_->GetStats();
+    EXPECT_TRUE(SameState(before_, after))
+        << "pages_free " << before_.pages_free << " -> " << after.pages_free << ", tokens "
+        << before_.tokens << " -> " << after.tokens << ", sequences " << before_.sequences
+        << " -> " << after.sequences << ", batches " << before_.batches << " -> " << after.batches;
+    // And sequence 1 still decodes to the same reference.
+    DecodeWork r = model_.MakeDecode({1}, 1, false);
+    auto out = DecodeSync(*engine_, r);
+    ASSERT_TRUE(out.ok()) << out.status();
+    model_.Check(r, *out);
+  }
+  absl::Status Decode(DecodeWork w) { return DecodeSync(*engine_, std::move(w)).status(); }
+  absl::Status Append(AppendWork w) { return AppendSync(*engine_, std::move(w)).status(); }
+  static AppendWork RawAppend(uint64_t id, int32_t layer, int32_t n) {
+    std::mt19937_64 rng(5);
+    AppendWork w;
+    w.sequence_id = id;
+    w.layer = layer;
+    w.num_tokens = n;
+    w.k = testing::ToBytes(testing::RandomBf16(int64_t{std::max(n, 0)} * k::kTokenElems, rng));
+    w.v = w.k;
+    return w;
+  }
+  DecodeWork RawDecode(const std::vector<uint64_t>& ids, int32_t layer, bool kv) {
+    // Built without touching the model: these requests must not change anything.
+    Model scratch(2, 9);
+    for (uint64_t id : ids) scratch.Create(id);
+    return scratch.MakeDecode(ids, layer, kv);
+  }
+
+  std::unique_ptr<Engine> engine_;
+  Model model_{2};
+  EngineStats before_;
+};
+
+TEST_F(EngineErrorTest, InvalidArgument) {
+  EXPECT_TRUE(absl::IsInvalidArgument(Decode(RawDecode({1}, 2, false))));   // layer range
+  EXPECT_TRUE(absl::IsInvalidArgument(Decode(RawDecode({1}, -1, false))));
+  EXPECT_TRUE(absl::IsInvalidArgument(Decode(RawDecode({}, 0, false))));    // no sequences
+  EXPECT_TRUE(absl::IsInvalidArgument(Decode(RawDecode({1, 2, 3, 4}, 0, false))));  // > max batch
+  DecodeWork dup = RawDecode({1, 2}, 0, true);
+  dup.sequence_ids = {1, 1};
+  EXPECT_TRUE(absl::IsInvalidArgument(Decode(dup)));
+  DecodeWork short_q = RawDecode({1}, 0, false);
+  short_q.q.pop_back();
+  EXPECT_TRUE(absl::IsInvalidArgument(Decode(short_q)));
+  DecodeWork k_only = RawDecode({1}, 0, true);
+  k_only.v.clear();
+  EXPECT_TRUE(absl::IsInvalidArgument(Decode(k_only)));
+  DecodeWork bad_scale = RawDecode({1}, 0, false);
+  bad_scale.sm_scale = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_TRUE(absl::IsInvalidArgument(Decode(bad_scale)));
+  EXPECT_TRUE(absl::IsInvalidArgument(Append(RawAppend(1, 2, 1))));
+  EXPECT_TRUE(absl::IsInvalidArgument(Append(RawAppend(1, 0, 0))));
+  AppendWork short_k = RawAppend(1, 0, 3);
+  short_k.k.resize(short_k.k.size() - 2);
+  EXPECT_TRUE(absl::IsInvalidArgument(Append(short_k)));
+  ExpectUnchanged();
+}
+
+TEST_F(EngineErrorTest, NotFound) {
+  EXPECT_TRUE(absl::IsNotFound(Decode(RawDecode({7}, 0, false))));
+  EXPECT_TRUE(absl::IsNotFound(Decode(RawDecode({2, 7}, 0, true))));  // all or nothing: 2 untouched
+  EXPECT_TRUE(absl::IsNotFound(Append(RawAppend(7, 0, 1))));
+  EXPECT_TRUE(absl::IsNotFound(engine_->ReleaseSequence(7)));
+  EXPECT_TRUE(absl::IsNotFound(engine_->ForkSequence(7, 8)));
+  ExpectUnchanged();
+  // Sequence 2 took no token from the failed request: its first step starts at length 0.
+  AppendWork w = model_.MakeAppend(2, 0, 1);
+  EXPECT_TRUE(Append(w).ok());
+}
+
+TEST_F(EngineErrorTest, AlreadyExists) {
+  EXPECT_TRUE(absl::IsAlreadyExists(engine_->CreateSequence(1)));
+  EXPECT_TRUE(absl::IsAlreadyExists(engine_->ForkSequence(1, 2)));
+  EXPECT_TRUE(absl::IsAlreadyExists(engine_->ForkSequence(1, 1)));
+  ExpectUnchanged();
+}
+
+TEST_F(EngineErrorTest, ResourceExhaustedIsAllOrNothing) {
+  // 2 of 4 pages are free. 129 tokens need 3.
+  EXPECT_TRUE(absl::IsResourceExhausted(Append(RawAppend(2, 0, 129))));
+  EXPECT_TRUE(absl::IsResourceExhausted(Append(RawAppend(2, 0, 4 * 64 + 1))));  // > the pool
+  ExpectUnchanged();
+  // Fill the pool but one page; then a Decode whose sequences together need two pages fails as
+  // a whole, though the first alone would fit.
+  ASSERT_TRUE(engine_->CreateSequence(3).ok());
+  model_.Create(3);
+  for (int32_t l = 0; l < 2; ++l) ASSERT_TRUE(AppendSync(*engine_, model_.MakeAppend(3, l, 64)).ok());
+  before_ = engine_->GetStats();
+  EXPECT_EQ(before_.pages_free, 1);
+  EXPECT_TRUE(absl::IsResourceExhausted(Decode(RawDecode({2, 3}, 0, true))));
+  ExpectUnchanged();
+  // Each alone fits one page: sequence 2 takes the last one.
+  DecodeWork w = model_.MakeDecode({2}, 0, true);
+  auto out = DecodeSync(*engine_, w);
+  ASSERT_TRUE(out.ok()) << out.status();
+  model_.Check(w, *out);
+  EXPECT_EQ(engine_->GetStats().pages_free, 0);
+}
+
+TEST_F(EngineErrorTest, FailedPreconditionForLayersOutOfOrder) {
+  EXPECT_TRUE(absl::IsFailedPrecondition(Decode(RawDecode({1}, 1, true))));  // layer 1 first
+  EXPECT_TRUE(absl::IsFailedPrecondition(Append(RawAppend(2, 1, 5))));
+  ExpectUnchanged();
+  // Start a step on sequence 2 at layer 0; then restarting, a different size, or a fork fail.
+  ASSERT_TRUE(Append(model_.MakeAppend(2, 0, 5)).ok());
+  before_ = engine_->GetStats();
+  EXPECT_TRUE(absl::IsFailedPrecondition(Append(RawAppend(2, 0, 5))));
+  EXPECT_TRUE(absl::IsFailedPrecondition(Append(RawAppend(2, 1, 4))));
+  EXPECT_TRUE(absl::IsFailedPrecondition(Decode(RawDecode({2}, 1, true))));  // 1 token, not 5
+  EXPECT_TRUE(absl::IsFailedPrecondition(engine_->ForkSequence(2, 5)));
+  // All or nothing over a Decode's sequences: 1 could start a step, 2 cannot.
+  EXPECT_TRUE(absl::IsFailedPrecondition(Decode(RawDecode({1, 2}, 0, true))));
+  ExpectUnchanged();
+  auto len = AppendSync(*engine_, model_.MakeAppend(2, 1, 5));
+  ASSERT_TRUE(len.ok()) << len.status();
+  EXPECT_EQ(*len, 5);
+}
+
+TEST_F(EngineErrorTest, DeadlineExceededAndCancelledAreDroppedBeforeCompute) {
+  DecodeWork late = RawDecode({1}, 0, true);
+  late.deadline = absl::Now() - absl::Seconds(1);
+  EXPECT_TRUE(absl::IsDeadlineExceeded(Decode(late)));
+  AppendWork late_append = RawAppend(2, 0, 3);
+  late_append.deadline = absl::Now() - absl::Milliseconds(1);
+  EXPECT_TRUE(absl::IsDeadlineExceeded(Append(late_append)));
+  DecodeWork gone = RawDecode({1}, 0, true);
+  gone.cancelled = std::make_shared<std::atomic<bool>>(true);
+  EXPECT_TRUE(absl::IsCancelled(Decode(gone)));
+  AppendWork gone_append = RawAppend(2, 0, 3);
+  gone_append.cancelled = std::make_shared<std::atomic<bool>>(true);
+  EXPECT_TRUE(absl::IsCancelled(Append(gone_append)));
+  ExpectUnchanged();
+  // A flag that is there but not set, and a deadline in the future, run normally.
+  DecodeWork ok = model_.MakeDecode({1}, 0, true);
+  ok.cancelled = std::make_shared<std::atomic<bool>>(false);
+  ok.deadline = absl::Now() + absl::Seconds(30);
+  auto out = DecodeSync(*engine_, ok);
+  ASSERT_TRUE(out.ok()) << out.status();
+  model_.Check(ok, *out);
+}
+
+TEST_F(EngineErrorTest, UnavailableAfterShutdown) {
+  engine_->Shutdown(absl::Seconds(1));
+  engine_->Shutdown(absl::Seconds(1));  // idempotent
+  bool called = false;
+  engine_->Decode(RawDecode({1}, 0, false), [&](absl::StatusOr<DecodeOutput> r) {
+    called = true;
+    EXPECT_TRUE(absl::IsUnavailable(r.status())) << r.status();
+  });
+  EXPECT_TRUE(called);  // inline, before Decode returned
+  called = false;
+  engine_->Append(RawAppend(1, 0, 1), [&](absl::StatusOr<int64_t> r) {
+    called = true;
+    EXPECT_TRUE(absl::IsUnavailable(r.status()));
+  });
+  EXPECT_TRUE(called);
+  EXPECT_TRUE(absl::IsUnavailable(engine_->CreateSequence(9)));
+  EngineStats after = engine_->GetStats();
+  EXPECT_EQ(after.pages_free, before_.pages_free);
+  EXPECT_EQ(after.tokens, before_.tokens);
+  // Releasing still works while shut down: it only returns pages.
+  EXPECT_TRUE(engine_->ReleaseSequence(1).ok());
+  EXPECT_EQ(engine_->GetStats().pages_free, 4);
 }
 
 }  // namespace

@@ -1,0 +1,375 @@
+// The engine under concurrency: batching of concurrent callers, the bounded queue, shutdown
+// drain, pipelined backends (several batches in flight), backend failures and metrics.
+#include <atomic>
+#include <deque>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "gtest/gtest.h"
+#include "prometheus/metric_family.h"
+#include "server/engine/engine.h"
+#include "server/metrics/metrics.h"
+#include "tests/engine/engine_test_util.h"
+
+namespace pagedattn {
+namespace {
+
+namespace k = kernels;
+using testing::AppendSync;
+using testing::DecodeSync;
+using testing::MakeCpuEngine;
+using testing::Model;
+
+// Many threads, each with its own sequences, decode steps concurrently; every result matches
+// the reference and batches hold several requests.
+TEST(EngineConcurrencyTest, ConcurrentCallersShareBatchesAndGetCorrectResults) {
+  constexpr int kThreads = 8;
+  constexpr int kSteps = 6;
+  auto engine = MakeCpuEngine({.num_layers = 2,
+                               .num_pages = 64,
+                               .max_batch_size = 16,
+                               .max_queue_delay = absl::Milliseconds(3)});
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      Model model(2, 100 + t);
+      const std::vector<uint64_t> ids = {uint64_t(10 * t + 1), uint64_t(10 * t + 2)};
+      for (uint64_t id : ids) {
+        if (!engine->CreateSequence(id).ok()) ++failures;
+        model.Create(id);
+        for (int32_t l = 0; l < 2; ++l) {
+          if (!AppendSync(*engine, model.MakeAppend(id, l, 30 + 17 * t)).ok()) ++failures;
+        }
+      }
+      for (int step = 0; step < kSteps; ++step) {
+        for (int32_t l = 0; l < 2; ++l) {
+          DecodeWork w = model.MakeDecode(ids, l, true);
+          auto out = DecodeSync(*engine, w);
+          if (!out.ok()) {
+            ++failures;
+            continue;
+          }
+          model.Check(w, *out);
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  EngineStats s = engine->GetStats();
+  EXPECT_EQ(s.decoded_sequences, kThreads * kSteps * 2 * 2);
+  EXPECT_EQ(s.sequences, 2 * kThreads);
+  // Fewer launches than requests: 8 callers at a time, 3 ms to gather.
+  const int64_t requests = kThreads * (kSteps * 2 + 4);
+  EXPECT_LT(s.batches, requests / 2) << s.batches << " launches for " << requests << " requests";
+  EXPECT_EQ(s.queue_depth, 0);
+}
+
+// Blocks the executor inside a callback so that the test controls the queue.
+struct ExecutorBlocker {
+  absl::Notification entered, release;
+  Engine::DecodeDone Callback() {
+    return [this](absl::StatusOr<DecodeOutput>) {
+      entered.Notify();
+      release.WaitForNotification();
+    };
+  }
+};
+
+TEST(EngineConcurrencyTest, FullQueueIsUnavailableAtOnce) {
+  Metrics metrics;
+  auto engine = MakeCpuEngine({.num_layers = 1, .num_pages = 8, .max_batch_size = 4,
+                               .max_queue_delay = absl::ZeroDuration(), .max_queue_depth = 2},
+                              2, &metrics);
+  Model model(1);
+  ASSERT_TRUE(engine->CreateSequence(1).ok());
+  model.Create(1);
+  ASSERT_TRUE(AppendSync(*engine, model.MakeAppend(1, 0, 10)).ok());
+  ExecutorBlocker blocker;
+  engine->Decode(model.MakeDecode({1}, 0, false), blocker.Callback());
+  blocker.entered.WaitForNotification();
+  std::vector<absl::StatusOr<DecodeOutput>> results(2, absl::UnknownError("not run"));
+  std::vector<DecodeWork> queued;
+  for (int i = 0; i < 2; ++i) {
+    queued.push_back(model.MakeDecode({1}, 0, false));
+    engine->Decode(queued.back(), [&results, i](absl::StatusOr<DecodeOutput> r) { results[i] = std::move(r); });
+  }
+  EXPECT_EQ(engine->GetStats().queue_depth, 2);
+  bool refused = false;
+  engine->Decode(model.MakeDecode({1}, 0, false), [&](absl::StatusOr<DecodeOutput> r) {
+    refused = absl::IsUnavailable(r.status());
+  });
+  EXPECT_TRUE(refused);  // inline
+  bool append_refused = false;
+  engine->Append(model.MakeAppend(1, 0, 1), [&](absl::StatusOr<int64_t> r) {
+    append_refused = absl::IsUnavailable(r.status());
+  });
+  EXPECT_TRUE(append_refused);
+  blocker.release.Notify();
+  engine->Shutdown(absl::Seconds(10));
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(results[i].ok()) << results[i].status();
+    model.Check(queued[i], *results[i], {10});  // the model also holds the refused token
+  }
+  EXPECT_EQ(engine->GetStats().tokens, 10);  // the refused append changed nothing
+
+  double queue_full = 0;
+  for (const auto& family : metrics.registry()->Collect()) {
+    if (family.name != "pagedattn_rejected_requests_total") continue;
+    for (const auto& m : family.metric) {
+      for (const auto& label : m.label) {
+        if (label.name == "reason" && label.value == "queue_full") queue_full += m.counter.value;
+      }
+    }
+  }
+  EXPECT_EQ(queue_full, 2);
+}
+
+TEST(EngineConcurrencyTest, ShutdownDrainsQueuedWork) {
+  auto engine = MakeCpuEngine({.num_layers = 1, .num_pages = 8, .max_batch_size = 2,
+                               .max_queue_delay = absl::ZeroDuration()});
+  Model model(1);
+  ASSERT_TRUE(engine->CreateSequence(1).ok());
+  model.Create(1);
+  ASSERT_TRUE(AppendSync(*engine, model.MakeAppend(1, 0, 5)).ok());
+  ExecutorBlocker blocker;
+  engine->Decode(model.MakeDecode({1}, 0, false), blocker.Callback());
+  blocker.entered.WaitForNotification();
+  constexpr int kQueued = 7;
+  std::vector<DecodeWork> works;
+  std::vector<absl::StatusOr<DecodeOutput>> results(kQueued, absl::UnknownError("not run"));
+  std::atomic<int> done{0};
+  for (int i = 0; i < kQueued; ++i) {
+    works.push_back(model.MakeDecode({1}, 0, true));  // each appends a token, in order
+    engine->Decode(works.back(), [&, i](absl::StatusOr<DecodeOutput> r) {
+      results[i] = std::move(r);
+      ++done;
+    });
+  }
+  std::thread stopper([&] { engine->Shutdown(absl::Seconds(30)); });
+  absl::SleepFor(absl::Milliseconds(20));
+  bool refused = false;  // admission is closed while draining
+  engine->Decode(model.MakeDecode({1}, 0, false), [&](absl::StatusOr<DecodeOutput> r) {
+    refused = absl::IsUnavailable(r.status());
+  });
+  EXPECT_TRUE(refused);
+  blocker.release.Notify();
+  stopper.join();
+  EXPECT_EQ(done.load(), kQueued);  // Shutdown returned after every callback ran
+  for (int i = 0; i < kQueued; ++i) {
+    ASSERT_TRUE(results[i].ok()) << i << ": " << results[i].status();
+    model.Check(works[i], *results[i], {5 + i + 1});
+  }
+  EXPECT_EQ(engine->GetStats().tokens, 5 + kQueued);
+}
+
+TEST(EngineConcurrencyTest, ShutdownPastTheDrainTimeoutFailsWhatIsLeft) {
+  auto engine = MakeCpuEngine({.num_layers = 1, .num_pages = 8, .max_batch_size = 1,
+                               .max_queue_delay = absl::ZeroDuration()});
+  Model model(1);
+  ASSERT_TRUE(engine->CreateSequence(1).ok());
+  model.Create(1);
+  ExecutorBlocker blocker;
+  engine->Decode(model.MakeDecode({1}, 0, false), blocker.Callback());
+  blocker.entered.WaitForNotification();
+  std::atomic<int> unavailable{0};
+  for (int i = 0; i < 5; ++i) {
+    engine->Append(model.MakeAppend(1, 0, 1), [&](absl::StatusOr<int64_t> r) {
+      if (absl::IsUnavailable(r.status())) ++unavailable;
+    });
+  }
+  std::thread stopper([&] { engine->Shutdown(absl::ZeroDuration()); });
+  absl::SleepFor(absl::Milliseconds(20));
+  blocker.release.Notify();
+  stopper.join();
+  EXPECT_EQ(unavailable.load(), 5);
+  EXPECT_EQ(engine->GetStats().tokens, 0);
+  EXPECT_EQ(engine->GetStats().queue_depth, 0);
+}
+
+TEST(EngineConcurrencyTest, DestructorWithWorkQueuedCompletesEveryCallback) {
+  std::atomic<int> called{0};
+  {
+    auto engine = MakeCpuEngine({.num_layers = 1, .num_pages = 8});
+    Model model(1);
+    ASSERT_TRUE(engine->CreateSequence(1).ok());
+    model.Create(1);
+    for (int i = 0; i < 20; ++i) {
+      engine->Append(model.MakeAppend(1, 0, 1), [&](absl::StatusOr<int64_t>) { ++called; });
+    }
+  }
+  EXPECT_EQ(called.load(), 20);
+}
+
+// A backend that defers all work to Wait and allows several batches in flight, like a device
+// backend on a stream; it checks the engine's side of the contract and records how many batches
+// were outstanding at once.
+class DeferredBackend final : public Backend {
+ public:
+  DeferredBackend(std::unique_ptr<CpuBackend> cpu, int32_t in_flight, int fail_at_launch = -1)
+      : cpu_(std::move(cpu)), in_flight_(in_flight), fail_at_launch_(fail_at_launch) {}
+  std::string_view name() const override { return "deferred"; }
+  absl::Status Init(const PoolShape& shape) override { return cpu_->Init(shape); }
+  int32_t max_in_flight() const override { return in_flight_; }
+  absl::Status Launch(BackendBatch* batch) override {
+    absl::MutexLock lock(&mu_);
+    if (launches_++ == fail_at_launch_) return absl::InternalError("injected device error");
+    outstanding_.push_back(batch);
+    if (static_cast<int32_t>(outstanding_.size()) > in_flight_) violations_++;
+    peak_ = std::max<int>(peak_, outstanding_.size());
+    return absl::OkStatus();
+  }
+  absl::Status Wait(BackendBatch* batch) override {
+    absl::MutexLock lock(&mu_);
+    if (outstanding_.empty() || outstanding_.front() != batch) {
+      violations_++;
+      return absl::InternalError("Wait out of order");
+    }
+    outstanding_.pop_front();
+    absl::SleepFor(absl::Milliseconds(1));  // the "device" is slow: work piles up meanwhile
+    if (absl::Status s = cpu_->Launch(batch); !s.ok()) return s;
+    return cpu_->Wait(batch);
+  }
+  int peak() {
+    absl::MutexLock lock(&mu_);
+    return peak_;
+  }
+  int violations() {
+    absl::MutexLock lock(&mu_);
+    return violations_;
+  }
+
+ private:
+  std::unique_ptr<CpuBackend> cpu_;
+  const int32_t in_flight_;
+  const int fail_at_launch_;
+  absl::Mutex mu_;
+  std::deque<BackendBatch*> outstanding_ ABSL_GUARDED_BY(mu_);
+  int launches_ ABSL_GUARDED_BY(mu_) = 0;
+  int peak_ ABSL_GUARDED_BY(mu_) = 0;
+  int violations_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+TEST(EngineConcurrencyTest, PipelinedBackendKeepsTwoBatchesInFlightInOrder) {
+  auto owned = std::make_unique<DeferredBackend>(std::move(*CpuBackend::Create({.num_threads = 2})), 2);
+  DeferredBackend* backend = owned.get();
+  auto engine = std::move(*Engine::Create({.num_layers = 1, .num_pages = 64, .max_batch_size = 8,
+                                           .max_queue_delay = absl::Microseconds(100)},
+                                          std::move(owned), nullptr));
+  EXPECT_EQ(engine->config().backend, "deferred");
+  constexpr int kThreads = 6;
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      Model model(1, 300 + t);
+      const uint64_t id = 100 + t;
+      if (!engine->CreateSequence(id).ok()) ++failures;
+      model.Create(id);
+      if (!AppendSync(*engine, model.MakeAppend(id, 0, 40)).ok()) ++failures;
+      // A stream-like caller: several steps in flight at once, results must come back in order.
+      constexpr int kSteps = 8;
+      std::vector<DecodeWork> works;
+      for (int s = 0; s < kSteps; ++s) works.push_back(model.MakeDecode({id}, 0, true));
+      absl::Mutex mu;
+      std::vector<uint64_t> order;
+      std::vector<absl::StatusOr<DecodeOutput>> results(kSteps, absl::UnknownError(""));
+      absl::Notification all;
+      for (int s = 0; s < kSteps; ++s) {
+        engine->Decode(works[s], [&, s](absl::StatusOr<DecodeOutput> r) {
+          absl::MutexLock lock(&mu);
+          order.push_back(s);
+          results[s] = std::move(r);
+          if (order.size() == kSteps) all.Notify();
+        });
+      }
+      all.WaitForNotification();
+      for (int s = 0; s < kSteps; ++s) {
+        if (order[s] != static_cast<uint64_t>(s)) ++failures;
+        if (!results[s].ok()) {
+          ++failures;
+          continue;
+        }
+        model.Check(works[s], *results[s], {40 + s + 1});
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(backend->violations(), 0);
+  EXPECT_EQ(backend->peak(), 2);
+  EXPECT_TRUE(engine->health().ok());
+}
+
+TEST(EngineConcurrencyTest, BackendErrorFailsTheBatchWithInternalAndTurnsHealthNonOk) {
+  Metrics metrics;
+  auto owned = std::make_unique<DeferredBackend>(std::move(*CpuBackend::Create({.num_threads = 1})),
+                                                 1, /*fail_at_launch=*/1);
+  auto engine = std::move(*Engine::Create({.num_layers = 1, .num_pages = 8}, std::move(owned),
+                                          &metrics));
+  Model model(1);
+  ASSERT_TRUE(engine->CreateSequence(1).ok());
+  model.Create(1);
+  ASSERT_TRUE(AppendSync(*engine, model.MakeAppend(1, 0, 3)).ok());  // launch 0
+  auto failed = DecodeSync(*engine, model.MakeDecode({1}, 0, false));  // launch 1 fails
+  EXPECT_TRUE(absl::IsInternal(failed.status())) << failed.status();
+  EXPECT_TRUE(absl::IsInternal(engine->health()));
+  EXPECT_FALSE(engine->GetStats().healthy);
+  // Later work fails fast with INTERNAL, never hangs.
+  auto later = DecodeSync(*engine, model.MakeDecode({1}, 0, false));
+  EXPECT_TRUE(absl::IsInternal(later.status()));
+  auto later_append = AppendSync(*engine, model.MakeAppend(1, 0, 1));
+  EXPECT_TRUE(absl::IsInternal(later_append.status()));
+  EXPECT_TRUE(absl::IsInternal(engine->health()));
+  double healthy = -1;
+  for (const auto& family : metrics.registry()->Collect()) {
+    if (family.name == "pagedattn_backend_healthy") healthy = family.metric.at(0).gauge.value;
+  }
+  EXPECT_EQ(healthy, 0);
+}
+
+TEST(EngineConcurrencyTest, RecordsBatchQueueAndPoolMetrics) {
+  Metrics metrics;
+  auto engine = MakeCpuEngine({.num_layers = 1, .num_pages = 16, .max_batch_size = 8}, 2, &metrics);
+  Model model(1);
+  ASSERT_TRUE(engine->CreateSequence(1).ok());
+  model.Create(1);
+  ASSERT_TRUE(AppendSync(*engine, model.MakeAppend(1, 0, 100)).ok());
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(DecodeSync(*engine, model.MakeDecode({1}, 0, true)).ok());
+  DecodeWork late = model.MakeDecode({1}, 0, false);
+  late.deadline = absl::InfinitePast();
+  EXPECT_TRUE(absl::IsDeadlineExceeded(DecodeSync(*engine, late).status()));
+  std::map<std::string, double> value;
+  for (const auto& family : metrics.registry()->Collect()) {
+    for (const auto& m : family.metric) {
+      std::string key = family.name;
+      for (const auto& label : m.label) key += "{" + label.value + "}";
+      if (family.type == prometheus::MetricType::Histogram) {
+        value[key + "_count"] = m.histogram.sample_count;
+        value[key + "_sum"] = m.histogram.sample_sum;
+      } else if (family.type == prometheus::MetricType::Gauge) {
+        value[key] = m.gauge.value;
+      } else if (family.type == prometheus::MetricType::Counter) {
+        value[key] = m.counter.value;
+      }
+    }
+  }
+  EXPECT_EQ(value["pagedattn_batch_size_count"], 3);  // the decodes; the append has no attention
+  EXPECT_EQ(value["pagedattn_batch_size_sum"], 3);
+  EXPECT_EQ(value["pagedattn_kernel_duration_seconds_count"], 3);
+  EXPECT_GT(value["pagedattn_kernel_duration_seconds_sum"], 0);
+  EXPECT_EQ(value["pagedattn_queue_duration_seconds_count"], 5);
+  EXPECT_EQ(value["pagedattn_rejected_requests_total{deadline_exceeded}"], 1);
+  EXPECT_EQ(value["pagedattn_kv_pages_total"], 16);
+  EXPECT_EQ(value["pagedattn_kv_pages_free"], 14);
+  EXPECT_EQ(value["pagedattn_sequences"], 1);
+  EXPECT_EQ(value["pagedattn_kv_tokens"], 103);
+  EXPECT_EQ(value["pagedattn_queue_depth"], 0);
+  EXPECT_EQ(value["pagedattn_backend_healthy"], 1);
+}
+
+}  // namespace
+}  // namespace pagedattn
