@@ -25,7 +25,7 @@ if has tests; then
 fi
 if has bench; then
   echo "== bench"
-  timeout 300 "$BIN/pagedattn-kernel-bench" --out "$OUT/bench.jsonl" > "$OUT/bench.log" 2>&1
+  timeout 300 "$BIN/pagedattn-kernel-bench" --out "$OUT/bench.jsonl" ${BENCH_FLAGS:-} > "$OUT/bench.log" 2>&1
   echo "bench rc=$?" | tee -a "$OUT/bench.log"
 fi
 if has torch; then

@@ -65,6 +65,11 @@ __global__ void StreamReadKernel(const uint4* __restrict__ src, int64_t n, uint3
   if (acc == 0x9e3779b9u) *sink = acc;  // keeps the loads; practically never true
 }
 
+std::string ShortName(const std::string& name) {
+  const size_t p = name.rfind("_p");
+  return p == std::string::npos ? name : name.substr(0, p);
+}
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
@@ -74,14 +79,36 @@ double Quantile(std::vector<double> v, double q) {
   return v.empty() ? 0.0 : v[static_cast<size_t>(q * (v.size() - 1))];
 }
 
+// Evicts the workload from L2 before a timed run. kDirty: a 256 MiB memset, which leaves the L2
+// full of dirty lines whose write-back the next kernel pays for (triton.testing.do_bench's
+// convention). kClean: the same memset, then a 256 MiB streaming read, so the timed kernel starts
+// with an L2 of clean, useless lines.
+enum class FlushMode { kDirty, kClean };
+
 struct Flusher {
   void* buf = nullptr;
+  uint32_t* sink = nullptr;
   size_t bytes = size_t{256} << 20;
   int round = 0;
-  Flusher() { CHECK_CUDA(cudaMalloc(&buf, bytes)); }
-  ~Flusher() { cudaFree(buf); }
-  void Flush(cudaStream_t s) { CHECK_CUDA(cudaMemsetAsync(buf, ++round & 0xff, bytes, s)); }
+  int sms = 132;
+  Flusher(int num_sms) : sms(num_sms) {
+    CHECK_CUDA(cudaMalloc(&buf, bytes));
+    CHECK_CUDA(cudaMalloc(&sink, 4));
+  }
+  ~Flusher() {
+    cudaFree(buf);
+    cudaFree(sink);
+  }
+  void Flush(cudaStream_t s, FlushMode mode);
 };
+
+void Flusher::Flush(cudaStream_t s, FlushMode mode) {
+  CHECK_CUDA(cudaMemsetAsync(buf, ++round & 0xff, bytes, s));
+  if (mode == FlushMode::kClean) {
+    StreamReadKernel<<<sms * 4, 512, 0, s>>>(static_cast<const uint4*>(buf), bytes / 16, sink);
+    CHECK_CUDA(cudaGetLastError());
+  }
+}
 
 double StreamReadGBps(cudaStream_t stream, int sms) {
   const size_t bytes = size_t{4} << 30;
@@ -162,7 +189,7 @@ struct DeviceInputs {
 };
 
 Timing TimeDecoder(pk::CudaDecoder& decoder, const pt::Workload& w, DeviceInputs& in,
-                   Flusher& flusher, cudaStream_t stream, int iters) {
+                   Flusher& flusher, FlushMode mode, cudaStream_t stream, int iters) {
   Timing t;
   const auto p0 = std::chrono::steady_clock::now();
   CheckStatus(decoder.Plan(w.kv_indptr.data(), w.kv_last_page_len.data(), w.batch_size, stream),
@@ -174,7 +201,7 @@ Timing TimeDecoder(pk::CudaDecoder& decoder, const pt::Workload& w, DeviceInputs
   std::vector<cudaEvent_t> ev(2 * iters);
   for (auto& e : ev) CHECK_CUDA(cudaEventCreate(&e));
   for (int r = 0; r < iters; ++r) {
-    flusher.Flush(stream);
+    flusher.Flush(stream, mode);
     CHECK_CUDA(cudaEventRecord(ev[2 * r], stream));
     CheckStatus(decoder.Run(in.args, stream), "Run");
     CHECK_CUDA(cudaEventRecord(ev[2 * r + 1], stream));
@@ -191,6 +218,45 @@ Timing TimeDecoder(pk::CudaDecoder& decoder, const pt::Workload& w, DeviceInputs
   t.p10_us = Quantile(us, 0.1);
   t.p90_us = Quantile(us, 0.9);
   return t;
+}
+
+// One clean-flushed run with per-CTA %globaltimer stamps: where the time of a launch goes.
+void PrintTimeline(pk::CudaDecoder& decoder, const pt::Workload& w, DeviceInputs& in,
+                   Flusher& flusher, cudaStream_t stream) {
+  const int n = decoder.num_ctas();
+  uint64_t* dev = nullptr;
+  CHECK_CUDA(cudaMalloc(&dev, n * 4 * sizeof(uint64_t)));
+  CHECK_CUDA(cudaMemset(dev, 0, n * 4 * sizeof(uint64_t)));
+  CheckStatus(decoder.Plan(w.kv_indptr.data(), w.kv_last_page_len.data(), w.batch_size, stream),
+              "Plan");
+  decoder.SetTimelineForBenchmark(dev);
+  std::vector<double> e2e;
+  std::vector<uint64_t> host(n * 4);
+  std::vector<double> first, last, exit_t, entry;
+  for (int r = 0; r < 5; ++r) {
+    flusher.Flush(stream, FlushMode::kClean);
+    CheckStatus(decoder.Run(in.args, stream), "Run");
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+  }
+  CHECK_CUDA(cudaMemcpy(host.data(), dev, host.size() * 8, cudaMemcpyDeviceToHost));
+  decoder.SetTimelineForBenchmark(nullptr);
+  uint64_t base = ~0ull;
+  for (int c = 0; c < n; ++c) {
+    if (host[4 * c] != 0) base = std::min(base, host[4 * c]);
+  }
+  for (int c = 0; c < n; ++c) {
+    if (host[4 * c] == 0) continue;
+    entry.push_back((host[4 * c] - base) * 1e-3);
+    first.push_back((host[4 * c + 1] - base) * 1e-3);
+    last.push_back((host[4 * c + 2] - base) * 1e-3);
+    exit_t.push_back((host[4 * c + 3] - base) * 1e-3);
+  }
+  auto mx = [](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); };
+  std::printf("  timeline %-14s (us from first CTA entry, median/max over %zu CTAs): entry %.1f/%.1f"
+              "  first page %.1f/%.1f  last page %.1f/%.1f  exit %.1f/%.1f\n",
+              ShortName(w.name).c_str(), entry.size(), Median(entry), mx(entry), Median(first),
+              mx(first), Median(last), mx(last), Median(exit_t), mx(exit_t));
+  cudaFree(dev);
 }
 
 // A batch of `lengths` pages each (full last pages) over distinct random pages of a pool.
@@ -212,10 +278,6 @@ pt::Workload Synthetic(const std::string& name, const std::vector<int>& lengths,
   return w;
 }
 
-std::string ShortName(const std::string& name) {
-  const size_t p = name.rfind("_p");
-  return p == std::string::npos ? name : name.substr(0, p);
-}
 
 }  // namespace
 
@@ -225,6 +287,8 @@ int main(int argc, char** argv) {
   int iters = 200;
   bool uneven = true;
   bool cpasync = true;
+  bool variants = false;
+  bool default_cpasync = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--workloads" && i + 1 < argc) path = argv[++i];
@@ -232,10 +296,12 @@ int main(int argc, char** argv) {
     else if (a == "--iters" && i + 1 < argc) iters = std::max(1, std::atoi(argv[++i]));
     else if (a == "--no-uneven") uneven = false;
     else if (a == "--no-cpasync") cpasync = false;
+    else if (a == "--variants") variants = true;
+    else if (a == "--default-cpasync") default_cpasync = true;
     else {
       std::fprintf(stderr,
                    "usage: %s [--workloads FILE] [--out FILE] [--iters N] [--no-uneven] "
-                   "[--no-cpasync]\n",
+                   "[--no-cpasync] [--variants] [--default-cpasync]\n",
                    argv[0]);
       return 2;
     }
@@ -275,30 +341,83 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "cannot write %s\n", out_path.c_str());
     return 1;
   }
-  Flusher flusher;
-  std::printf("\n%-24s %6s %7s %10s %10s %10s %10s %9s %8s %8s\n", "workload", "batch", "pages",
-              "kernel_us", "p10_us", "p90_us", "cpasync_us", "read_GB/s", "of_read", "plan_us");
+  Flusher flusher(prop.multiProcessorCount);
+  std::printf("\nkernel_us: median over %d runs, clean L2 flush (memset + read 256 MiB); "
+              "dirty: memset only\n", iters);
+  std::printf("%-22s %5s %6s %9s %9s %9s %9s %8s %7s %7s %7s\n", "workload", "batch", "pages",
+              "tma_us", "tma_dirty", "cpa_us", "cpa_dirty", "GB/s", "of_read", "p10", "p90");
   for (const pt::Workload& w : workloads) {
     DeviceInputs in;
     in.Init(w, rng());
-    const Timing t = TimeDecoder(*tma, w, in, flusher, stream, iters);
-    Timing c;
-    if (cp) c = TimeDecoder(*cp, w, in, flusher, stream, iters);
+    const Timing tc = TimeDecoder(*tma, w, in, flusher, FlushMode::kClean, stream, iters);
+    const Timing td = TimeDecoder(*tma, w, in, flusher, FlushMode::kDirty, stream, iters);
+    Timing cc, cd;
+    if (cp) {
+      cc = TimeDecoder(*cp, w, in, flusher, FlushMode::kClean, stream, iters);
+      cd = TimeDecoder(*cp, w, in, flusher, FlushMode::kDirty, stream, iters);
+    }
+    const bool use_cp = default_cpasync && cp;
+    const Timing& k = use_cp ? cc : tc;
+    const Timing& kd = use_cp ? cd : td;
     const double bytes = static_cast<double>(w.Tokens()) * pk::kNumKvHeads * pk::kHeadDim * 2 * 2;
-    const double gbps = bytes / (t.median_us * 1e-6) / 1e9;
-    std::printf("%-24s %6d %7zu %10.1f %10.1f %10.1f %10.1f %9.0f %8.3f %8.1f\n",
-                ShortName(w.name).c_str(), w.batch_size, w.kv_indices.size(), t.median_us,
-                t.p10_us, t.p90_us, c.median_us, gbps, gbps / stream_gbps, t.plan_us);
+    const double gbps = bytes / (k.median_us * 1e-6) / 1e9;
+    const double gbps_dirty = bytes / (kd.median_us * 1e-6) / 1e9;
+    std::printf("%-22s %5d %6zu %9.1f %9.1f %9.1f %9.1f %8.0f %7.3f %7.1f %7.1f\n",
+                ShortName(w.name).c_str(), w.batch_size, w.kv_indices.size(), tc.median_us,
+                td.median_us, cc.median_us, cd.median_us, gbps, gbps / stream_gbps, k.p10_us,
+                k.p90_us);
     std::fprintf(out,
-                 "{\"name\": \"%s\", \"workload\": \"%s\", \"batch_size\": %d, \"num_kv_indices\": "
-                 "%zu, \"tokens\": %lld, \"kv_bytes\": %.0f, \"kernel_us\": %.2f, "
-                 "\"kernel_us_p10\": %.2f, \"kernel_us_p90\": %.2f, \"kernel_cpasync_us\": %.2f, "
-                 "\"read_gbps\": %.1f, \"read_fraction\": %.4f, \"stream_read_gbps\": %.1f, "
+                 "{\"name\": \"%s\", \"workload\": \"%s\", \"batch_size\": %d, "
+                 "\"num_kv_indices\": %zu, \"tokens\": %lld, \"kv_bytes\": %.0f, "
+                 "\"load_path\": \"%s\", \"kernel_us\": %.2f, \"kernel_us_p10\": %.2f, "
+                 "\"kernel_us_p90\": %.2f, \"kernel_dirty_us\": %.2f, \"tma_us\": %.2f, "
+                 "\"tma_dirty_us\": %.2f, \"cpasync_us\": %.2f, \"cpasync_dirty_us\": %.2f, "
+                 "\"read_gbps\": %.1f, \"read_fraction\": %.4f, \"read_gbps_dirty\": %.1f, "
+                 "\"read_fraction_dirty\": %.4f, \"stream_read_gbps\": %.1f, "
                  "\"plan_host_us\": %.1f, \"iters\": %d}\n",
                  ShortName(w.name).c_str(), w.name.c_str(), w.batch_size, w.kv_indices.size(),
-                 static_cast<long long>(w.Tokens()), bytes, t.median_us, t.p10_us, t.p90_us,
-                 c.median_us, gbps, gbps / stream_gbps, stream_gbps, t.plan_us, iters);
+                 static_cast<long long>(w.Tokens()), bytes, use_cp ? "cp.async" : "tma",
+                 k.median_us, k.p10_us, k.p90_us, kd.median_us, tc.median_us, td.median_us,
+                 cc.median_us, cd.median_us, gbps, gbps / stream_gbps, gbps_dirty,
+                 gbps_dirty / stream_gbps, stream_gbps, k.plan_us, iters);
     std::fflush(out);
+  }
+  if (variants) {
+    std::printf("\nvariants (clean flush, median us):\n");
+    pk::CudaDecoderOptions o;
+    std::vector<std::pair<std::string, pk::CudaDecoderOptions>> vs;
+    o.tuning.tma_l2_promotion_bytes = 0;
+    vs.push_back({"tma_promo_none", o});
+    o.tuning.tma_l2_promotion_bytes = 128;
+    vs.push_back({"tma_promo_128", o});
+    o.tuning.tma_l2_promotion_bytes = 256;
+    o.tuning.skip_attention = true;
+    vs.push_back({"tma_no_math", o});
+    o.load_path = pk::CudaLoadPath::kCpAsync;
+    vs.push_back({"cpasync_no_math", o});
+    for (auto& [vname, vopt] : vs) {
+      std::unique_ptr<pk::CudaDecoder> d;
+      CheckStatus(pk::CudaDecoder::Create(vopt, &d), "Create (variant)");
+      std::printf("  %-16s", vname.c_str());
+      for (const pt::Workload& w : workloads) {
+        const std::string sn = ShortName(w.name);
+        if (sn != "b1_kv361" && sn != "b16_kv993" && sn != "b8_kv3176" && sn != "b16_kv16593") continue;
+        DeviceInputs in;
+        in.Init(w, rng());
+        const Timing t = TimeDecoder(*d, w, in, flusher, FlushMode::kClean, stream, 100);
+        std::printf("  %s %.1f", sn.c_str(), t.median_us);
+      }
+      std::printf("\n");
+    }
+    for (const pt::Workload& w : workloads) {
+      const std::string sn = ShortName(w.name);
+      if (sn != "b1_kv361" && sn != "b2_kv130" && sn != "b16_kv993" && sn != "b16_kv16593" &&
+          sn != "b128_kv8761") continue;
+      DeviceInputs in;
+      in.Init(w, rng());
+      PrintTimeline(*tma, w, in, flusher, stream);
+      if (cp) PrintTimeline(*cp, w, in, flusher, stream);
+    }
   }
   std::fclose(out);
   CHECK_CUDA(cudaStreamDestroy(stream));

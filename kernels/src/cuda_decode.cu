@@ -52,6 +52,7 @@ struct CudaDecoder::Impl {
   const void* map_k = nullptr;
   const void* map_v = nullptr;
   int64_t map_pages = -1;
+  uint64_t* timeline = nullptr;
 
   ~Impl() {
     // Errors on release are ignored: nothing useful can be done with them here.
@@ -70,9 +71,16 @@ struct CudaDecoder::Impl {
     const cuuint64_t strides[3] = {kHeadDim * 2, kTokenElems * 2, kPageElems * 2};
     const cuuint32_t box[4] = {64, 1, kPageSize, 1};
     const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+    CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+    switch (options.tuning.tma_l2_promotion_bytes) {
+      case 0: promotion = CU_TENSOR_MAP_L2_PROMOTION_NONE; break;
+      case 64: promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_64B; break;
+      case 128: promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B; break;
+      default: break;
+    }
     const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(cache),
                               dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              CU_TENSOR_MAP_SWIZZLE_128B, promotion,
                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) {
       return KernelStatus::Error(KernelCode::kInternal,
@@ -101,6 +109,10 @@ bool CudaDecodeDeviceAvailable() {
 CudaDecoder::CudaDecoder(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaDecoder::~CudaDecoder() = default;
 
+void CudaDecoder::SetTimelineForBenchmark(uint64_t* device_timeline) {
+  impl_->timeline = device_timeline;
+}
+
 int32_t CudaDecoder::num_ctas() const { return impl_->capacity.num_ctas; }
 CudaLoadPath CudaDecoder::load_path() const { return impl_->path; }
 int32_t CudaDecoder::max_batch_size() const { return impl_->capacity.max_batch_size; }
@@ -109,6 +121,10 @@ KernelStatus CudaDecoder::Create(const Options& options, std::unique_ptr<CudaDec
   if (decoder == nullptr) return Invalid("CudaDecoder::Create: null output");
   if (options.max_batch_size < 1 || options.max_batch_size > (1 << 24)) {
     return Invalid("CudaDecoder::Create: max_batch_size outside 1..2^24");
+  }
+  const int32_t promo = options.tuning.tma_l2_promotion_bytes;
+  if (promo != 0 && promo != 64 && promo != 128 && promo != 256) {
+    return Invalid("CudaDecoder::Create: tma_l2_promotion_bytes must be 0, 64, 128 or 256");
   }
   if (options.num_ctas < 0 || options.num_ctas > kMaxPlanCtas) {
     return Invalid("CudaDecoder::Create: num_ctas outside 0.." + std::to_string(kMaxPlanCtas));
@@ -274,6 +290,8 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, CudaStream stream) {
   p.part_lse = d.part_lse;
   p.counters = d.counters;
   p.scale_log2 = args.sm_scale * 1.4426950408889634f;
+  p.skip_attention = d.options.tuning.skip_attention ? 1 : 0;
+  p.timeline = reinterpret_cast<unsigned long long*>(d.timeline);
 
   const dim3 grid(d.capacity.num_ctas);
   const dim3 block(detail::kThreads);

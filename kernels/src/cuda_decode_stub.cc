@@ -20,6 +20,7 @@ KernelStatus CudaDecoder::Plan(const int32_t*, const int32_t*, int32_t, CudaStre
   return NoCuda();
 }
 KernelStatus CudaDecoder::Run(const DecodeArgs&, CudaStream) { return NoCuda(); }
+void CudaDecoder::SetTimelineForBenchmark(uint64_t*) {}
 int32_t CudaDecoder::num_ctas() const { return 0; }
 CudaLoadPath CudaDecoder::load_path() const { return CudaLoadPath::kTma; }
 int32_t CudaDecoder::max_batch_size() const { return 0; }

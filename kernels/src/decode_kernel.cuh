@@ -47,6 +47,8 @@ struct KernelParams {
   float* part_lse;             // [slots, 6] their base-2 log-sum-exp
   int32_t* counters;           // [groups] pieces finished; zero between launches
   float scale_log2;            // sm_scale * log2(e)
+  int32_t skip_attention;      // benchmarking only: move the pages, skip the math
+  unsigned long long* timeline;  // benchmarking only: [ctas][4] %globaltimer stamps, or null
 };
 
 struct alignas(1024) SharedStorage {
@@ -274,33 +276,39 @@ __device__ void Merge(const KernelParams& p, SharedStorage& s, int group, int64_
   float4 acc[kGroupSize];
 #pragma unroll
   for (int g = 0; g < kGroupSize; ++g) acc[g] = make_float4(0.f, 0.f, 0.f, 0.f);
+  // Four pieces per round: 24 independent 16-byte loads in flight per thread.
+  constexpr int kSlotVecs = kPartialFloats / 4;
   int q = warp;
-  for (; q + kConsumerWarps < n; q += 2 * kConsumerWarps) {
-    float4 a[kGroupSize], b[kGroupSize];
+  for (; q + 3 * kConsumerWarps < n; q += 4 * kConsumerWarps) {
+    float4 a[4][kGroupSize];
 #pragma unroll
-    for (int g = 0; g < kGroupSize; ++g) {
-      a[g] = __ldcg(part + int64_t{q} * (kPartialFloats / 4) + g * 32);
-      b[g] = __ldcg(part + int64_t{q + kConsumerWarps} * (kPartialFloats / 4) + g * 32);
+    for (int u = 0; u < 4; ++u) {
+#pragma unroll
+      for (int g = 0; g < kGroupSize; ++g) {
+        a[u][g] = __ldcg(part + int64_t{q + u * kConsumerWarps} * kSlotVecs + g * 32);
+      }
     }
 #pragma unroll
-    for (int g = 0; g < kGroupSize; ++g) {
-      const float wa = s.weights[q][g];
-      const float wb = s.weights[q + kConsumerWarps][g];
-      acc[g].x += wa * a[g].x + wb * b[g].x;
-      acc[g].y += wa * a[g].y + wb * b[g].y;
-      acc[g].z += wa * a[g].z + wb * b[g].z;
-      acc[g].w += wa * a[g].w + wb * b[g].w;
+    for (int u = 0; u < 4; ++u) {
+#pragma unroll
+      for (int g = 0; g < kGroupSize; ++g) {
+        const float w = s.weights[q + u * kConsumerWarps][g];
+        acc[g].x += w * a[u][g].x;
+        acc[g].y += w * a[u][g].y;
+        acc[g].z += w * a[u][g].z;
+        acc[g].w += w * a[u][g].w;
+      }
     }
   }
-  if (q < n) {
+  for (; q < n; q += kConsumerWarps) {
 #pragma unroll
     for (int g = 0; g < kGroupSize; ++g) {
-      const float4 a = __ldcg(part + int64_t{q} * (kPartialFloats / 4) + g * 32);
-      const float wa = s.weights[q][g];
-      acc[g].x += wa * a.x;
-      acc[g].y += wa * a.y;
-      acc[g].z += wa * a.z;
-      acc[g].w += wa * a.w;
+      const float4 a = __ldcg(part + int64_t{q} * kSlotVecs + g * 32);
+      const float w = s.weights[q][g];
+      acc[g].x += w * a.x;
+      acc[g].y += w * a.y;
+      acc[g].z += w * a.z;
+      acc[g].w += w * a.w;
     }
   }
 #pragma unroll
@@ -391,6 +399,17 @@ __device__ void Finalize(const KernelParams& p, SharedStorage& s, const WorkItem
   if (s.is_last) Merge(p, s, it.group, row0, warp, lane);
 }
 
+__device__ __forceinline__ unsigned long long GlobalTimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Benchmarking only: stamp `slot` of this CTA's timeline.
+__device__ __forceinline__ void Stamp(const KernelParams& p, int tid, int slot) {
+  if (p.timeline != nullptr && tid == 0) p.timeline[blockIdx.x * 4 + slot] = GlobalTimer();
+}
+
 __device__ void Consume(const KernelParams& p, SharedStorage& s, const WorkItem& head, int count,
                         int warp, int lane) {
   const int g = lane >> 2;
@@ -399,6 +418,7 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, const WorkItem&
   const int t0 = warp * kTokensPerWarp;
   int stage = 0;
   uint32_t phase = 0;
+  bool first_wait = true;
   for (int i = 0; i < count; ++i) {
     const WorkItem it = ItemAt(p, head, i);
     const int seq = it.seq_head / kNumKvHeads;
@@ -416,6 +436,10 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, const WorkItem&
     uint32_t qa[8][2];
     for (int pg = 0; pg < it.num_pages; ++pg) {
       ptx::MbarWait(ptx::SmemAddr(&s.full[stage]), phase);
+      if (first_wait) {
+        Stamp(p, tid, 1);
+        first_wait = false;
+      }
       if (pg == 0) {
         const uint32_t qrow = ptx::SmemAddr(s.q[stage]) + g * kHeadDim * 2 + quad * 4;
 #pragma unroll
@@ -425,7 +449,7 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, const WorkItem&
         }
       }
       const int valid = pg == it.num_pages - 1 ? it.last_len : kPageSize;
-      if (t0 < valid) {
+      if (t0 < valid && !p.skip_attention) {
         const bool tail = valid < t0 + kTokensPerWarp;
         if (tail) {
           ZeroVRows(s.stage[stage], valid, t0 + kTokensPerWarp, lane);
@@ -441,8 +465,10 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, const WorkItem&
         phase ^= 1;
       }
     }
+    if (i == count - 1) Stamp(p, tid, 2);
     Finalize(p, s, it, row0, warp, lane, o, m, l);
   }
+  Stamp(p, tid, 3);
 }
 
 template <bool kTma>
@@ -455,6 +481,7 @@ __global__ void __launch_bounds__(kThreads, 1) PagedDecodeKernel(const __grid_co
   const WorkItem head = LoadItem(p.items + blockIdx.x);
   const int count = head.seq_head < 0 ? 0 : 1 + head.rest_count;
   if (count == 0) return;
+  Stamp(p, threadIdx.x, 0);
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       ptx::MbarInit(ptx::SmemAddr(&s.full[i]), kTma ? 1 : 32);

@@ -129,6 +129,7 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
       for (; !seg.done() && seg.begin() < hi; seg.Next()) {
         const int64_t a = seg.begin() > lo ? seg.begin() : lo;
         const int64_t e = seg.end() < hi ? seg.end() : hi;
+        if (e <= a) continue;  // an empty range inside a segment: nothing to do
         const bool whole = a == seg.begin() && e == seg.end();
         if (whole != (pass == 1)) continue;
         WorkItem item;

@@ -92,6 +92,7 @@ void CheckPlan(const Batch& b, const PlanOutput& plan, std::vector<int64_t>* uni
       const int32_t seq_pages = b.indptr[seq + 1] - b.indptr[seq];
       if (it.num_pages == 0) {
         EXPECT_EQ(seq_pages, 0);
+        EXPECT_EQ(it.slot, -1);
         ++empty_written[it.seq_head];
         continue;
       }
@@ -191,6 +192,21 @@ TEST(DecodePlanTest, SmallBatchLeavesSpareCtasIdle) {
   CheckPlan(b, plan);
   EXPECT_EQ(plan.summary.active_ctas, 4);
   EXPECT_EQ(plan.summary.num_groups, 0);
+}
+
+TEST(DecodePlanTest, FewerUnitsThanCtasGiveNoEmptyPieces) {
+  for (int pages : {2, 3, 17, 32}) {
+    Batch b;
+    b.Add(pages, 1);
+    const PlanOutput plan = MakePlan(b, 132);
+    CheckPlan(b, plan);
+    EXPECT_EQ(plan.summary.active_ctas, 4 * pages);
+    EXPECT_EQ(plan.summary.num_items, 4 * pages);
+    EXPECT_EQ(plan.summary.num_slots, 4 * pages);
+    for (int c = 0; c < 132; ++c) {
+      for (const WorkItem& it : plan.CtaItems(c)) EXPECT_EQ(it.num_pages, 1) << "CTA " << c;
+    }
+  }
 }
 
 TEST(DecodePlanTest, EmptySequencesGetEmptyItems) {

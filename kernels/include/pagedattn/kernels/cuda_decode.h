@@ -43,11 +43,18 @@ enum class CudaLoadPath {
   kCpAsync,  // 16-byte cp.async by one producer warp (a fallback, same results)
 };
 
+// Benchmarking aids; leave them at their defaults in production.
+struct CudaDecoderTuning {
+  int32_t tma_l2_promotion_bytes = 256;  // L2 fetch granule of the TMA copies: 0, 64, 128, 256
+  bool skip_attention = false;           // move every page but skip the math (garbage outputs)
+};
+
 struct CudaDecoderOptions {
   int32_t max_batch_size = 4096;  // the largest batch Plan() accepts
   int32_t device = -1;            // -1: the current device
   int32_t num_ctas = 0;           // thread blocks per launch; 0: one per SM (at most 256)
   CudaLoadPath load_path = CudaLoadPath::kTma;
+  CudaDecoderTuning tuning;
 };
 
 // True when the CUDA runtime finds at least one device this library can run on (compute
@@ -78,6 +85,10 @@ class CudaDecoder {
   // FailedPrecondition before a successful Plan; InvalidArgument when args do not match the
   // plan or the requirements above; Internal when the launch fails.
   KernelStatus Run(const DecodeArgs& args, CudaStream stream);
+
+  // Benchmarking aid: when non-null, each later Run has every CTA write 4 %globaltimer stamps
+  // (entry, first page landed, last page consumed, exit) to device memory [num_ctas][4].
+  void SetTimelineForBenchmark(uint64_t* device_timeline);
 
   int32_t num_ctas() const;
   CudaLoadPath load_path() const;  // kCpAsync when TMA was asked for but is unavailable

@@ -1,0 +1,46 @@
+// Writes into the paged KV pool on the device: copy on write of whole pages (in every layer, K
+// and V) and the scatter of staged token rows into their slots. Phases 1 and 2 of a backend
+// batch (server/backend/backend.h); each is one kernel launch, with no allocation and no
+// synchronisation.
+//
+// Plain C++ (no CUDA header needed). Defined in the CUDA build of pagedattn_kernels_cuda only
+// (nvcc present); the service's CUDA backend is its one user. Every pointer is device memory;
+// the caller guarantees the ranges (the kernels do not check page ids or slots).
+#pragma once
+
+#include <cstdint>
+
+#include "pagedattn/kernels/cuda_decode.h"
+#include "pagedattn/kernels/status.h"
+
+namespace pagedattn::kernels {
+
+// Copy page src -> page dst, for every layer, K and V. The pool is [num_layers][layer_pages]
+// pages; page ids are per layer. The copies of one launch run in parallel: a dst must not be
+// the src or dst of another copy of the same launch.
+struct PageCopyArgs {
+  uint16_t* k_cache = nullptr;      // [num_layers * layer_pages, 64, 4, 128] bf16
+  uint16_t* v_cache = nullptr;      // [num_layers * layer_pages, 64, 4, 128] bf16
+  const int32_t* copies = nullptr;  // [num_copies, 2]: (src, dst) page ids in 0..layer_pages-1
+  int32_t num_copies = 0;
+  int32_t num_layers = 0;
+  int64_t layer_pages = 0;
+};
+
+// Token t's K and V rows go to slot slots[t] (pool page * 64 + offset in the page). Tokens of
+// one launch are written in parallel: slots must be distinct.
+struct TokenScatterArgs {
+  uint16_t* k_cache = nullptr;      // [pool pages, 64, 4, 128] bf16
+  uint16_t* v_cache = nullptr;      // [pool pages, 64, 4, 128] bf16
+  const int64_t* slots = nullptr;   // [num_tokens]
+  const uint16_t* k_rows = nullptr; // [num_tokens, 4, 128] bf16, 16-byte aligned
+  const uint16_t* v_rows = nullptr; // [num_tokens, 4, 128] bf16, 16-byte aligned
+  int64_t num_tokens = 0;
+};
+
+// Launch on `stream`. Nothing to do (0 copies or tokens) is OK. InvalidArgument for null
+// pointers or negative counts; Internal when the launch fails.
+KernelStatus LaunchPageCopies(const PageCopyArgs& args, CudaStream stream);
+KernelStatus LaunchTokenScatter(const TokenScatterArgs& args, CudaStream stream);
+
+}  // namespace pagedattn::kernels
