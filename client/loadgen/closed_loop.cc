@@ -1,0 +1,273 @@
+// The closed loop: `concurrency` callers, each owning every concurrency-th batch and running
+// one step at a time over unary Decode calls, or over one DecodeStream with up to
+// stream_in_flight requests outstanding (requests of one batch are sent in layer order, so
+// pipelining is within the contract: a stream applies requests in the order they were sent).
+#include <deque>
+#include <thread>
+
+#include "absl/synchronization/notification.h"
+#include "client/loadgen/run_state.h"
+
+namespace pagedattn::loadgen {
+namespace {
+
+// Which steps a phase runs: a count per batch, or until a deadline.
+struct Phase {
+  bool timed = false;
+  int64_t steps_per_batch = 0;              // > 0: this many
+  SteadyClock::time_point deadline{};       // otherwise: start no step after it
+};
+
+class Caller {
+ public:
+  Caller(RunState& state, std::vector<int32_t> batches)
+      : state_(state), batches_(std::move(batches)), retired_(batches_.size(), false) {}
+
+  void RunUnary(const Phase& phase) {
+    const int64_t total = phase.steps_per_batch * static_cast<int64_t>(batches_.size());
+    for (int64_t started = 0; MoreSteps(phase, started, total); ++started) {
+      int32_t batch;
+      if (!NextBatch(&batch)) return;
+      UnaryStep(batch, phase.timed);
+    }
+  }
+
+  // False when the stream broke (the caller's batches are retired then).
+  bool RunStream(const Phase& phase, client::DecodeStream* stream);
+
+  Samples TakeSamples() { return std::move(samples_); }
+  const std::vector<int32_t>& batches() const { return batches_; }
+
+ private:
+  struct Pending {
+    int32_t batch = 0;
+    int32_t layer = 0;
+    uint64_t request_id = 0;
+    SteadyClock::time_point sent, step_start;
+    std::vector<int64_t> tickets;
+  };
+
+  static bool MoreSteps(const Phase& phase, int64_t started, int64_t total) {
+    if (phase.steps_per_batch > 0) return started < total;
+    return SteadyClock::now() < phase.deadline;
+  }
+
+  // The next batch of this caller that still runs, round robin.
+  bool NextBatch(int32_t* batch) {
+    for (size_t tried = 0; tried < batches_.size(); ++tried) {
+      const size_t i = next_++ % batches_.size();
+      if (!retired_[i] && state_.IsRetired(batches_[i])) retired_[i] = true;
+      if (!retired_[i]) {
+        *batch = batches_[i];
+        return true;
+      }
+    }
+    return false;
+  }
+
+  void RetireBatch(int32_t batch, const absl::Status& why) {
+    for (size_t i = 0; i < batches_.size(); ++i) {
+      if (batches_[i] == batch && !retired_[i]) {
+        retired_[i] = true;
+        DropFromCheck(state_, batch);
+        state_.Retire(batch, why);
+      }
+    }
+  }
+
+  void UnaryStep(int32_t batch, bool timed) {
+    const SteadyClock::time_point step_start = SteadyClock::now();
+    std::vector<int64_t> tickets;
+    for (int32_t layer = 0; layer < state_.num_layers; ++layer) {
+      for (int32_t attempt = 0;; ++attempt) {
+        v1::DecodeRequest request = MakeDecodeRequest(state_, batch, layer, ++request_id_, &tickets);
+        const SteadyClock::time_point t0 = SteadyClock::now();
+        absl::StatusOr<v1::DecodeResponse> response = state_.client->Decode(request);
+        const SteadyClock::time_point t1 = SteadyClock::now();
+        absl::Status status = response.status();
+        if (status.ok()) status = TakeDecodeResponse(state_, batch, layer, *response, tickets);
+        if (status.ok()) {
+          if (timed) samples_.Add("Decode", SecondsBetween(t0, t1));
+          break;
+        }
+        state_.CountError(status);
+        DropFromCheck(state_, batch);
+        if (status.code() == absl::StatusCode::kUnavailable && attempt < state_.options.max_retries) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          continue;
+        }
+        RetireBatch(batch, status);
+        return;
+      }
+    }
+    if (timed) {
+      samples_.Add("step", SecondsBetween(step_start, SteadyClock::now()));
+      state_.steps_done.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+
+  RunState& state_;
+  std::vector<int32_t> batches_;
+  std::vector<bool> retired_;
+  size_t next_ = 0;
+  uint64_t request_id_ = 0;
+  Samples samples_;
+};
+
+bool Caller::RunStream(const Phase& phase, client::DecodeStream* stream) {
+  const int64_t total = phase.steps_per_batch * static_cast<int64_t>(batches_.size());
+  const size_t in_flight = static_cast<size_t>(std::max(1, state_.options.stream_in_flight));
+  std::deque<Pending> pending;
+  int32_t batch = -1;  // the batch whose step is being sent, or -1 between steps
+  int32_t layer = 0;
+  SteadyClock::time_point step_start;
+  int64_t started = 0;
+  bool sending = true;
+  while (true) {
+    while (sending && pending.size() < in_flight) {
+      if (batch < 0) {
+        if (!MoreSteps(phase, started, total) || !NextBatch(&batch)) {
+          sending = false;
+          break;
+        }
+        ++started;
+        layer = 0;
+        step_start = SteadyClock::now();
+      }
+      Pending p;
+      p.batch = batch;
+      p.layer = layer;
+      p.request_id = ++request_id_;
+      p.step_start = step_start;
+      v1::DecodeRequest request = MakeDecodeRequest(state_, batch, layer, p.request_id, &p.tickets);
+      p.sent = SteadyClock::now();
+      if (!stream->Write(request)) return false;
+      pending.push_back(std::move(p));
+      if (++layer == state_.num_layers) batch = -1;
+    }
+    if (pending.empty()) return true;
+    v1::DecodeResponse response;
+    if (!stream->Read(&response)) return false;
+    const SteadyClock::time_point t1 = SteadyClock::now();
+    Pending p = std::move(pending.front());
+    pending.pop_front();
+    absl::Status status;
+    if (response.error_code() != 0) {
+      status = absl::Status(static_cast<absl::StatusCode>(response.error_code()), response.error_message());
+    } else if (response.request_id() != p.request_id) {
+      status = absl::InternalError("DecodeStream answered out of order");
+    } else {
+      status = TakeDecodeResponse(state_, p.batch, p.layer, response, p.tickets);
+    }
+    if (!status.ok()) {
+      state_.CountError(status);
+      RetireBatch(p.batch, status);
+      if (batch == p.batch) batch = -1;
+      continue;
+    }
+    if (phase.timed) {
+      samples_.Add("DecodeStream", SecondsBetween(p.sent, t1));
+      if (p.layer == state_.num_layers - 1) {
+        samples_.Add("step", SecondsBetween(p.step_start, t1));
+        state_.steps_done.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void WarmupUnary(RunState& state, int32_t threads) {
+  if (state.options.warmup_steps <= 0) return;
+  threads = std::max(1, std::min<int32_t>(threads, static_cast<int32_t>(state.batches.size())));
+  std::vector<std::thread> workers;
+  for (int32_t t = 0; t < threads; ++t) {
+    std::vector<int32_t> mine;
+    for (size_t b = static_cast<size_t>(t); b < state.batches.size(); b += static_cast<size_t>(threads)) {
+      mine.push_back(static_cast<int32_t>(b));
+    }
+    workers.emplace_back([&state, mine = std::move(mine)] {
+      Caller caller(state, mine);
+      Phase warmup;
+      warmup.steps_per_batch = state.options.warmup_steps;
+      caller.RunUnary(warmup);
+    });
+  }
+  for (std::thread& w : workers) w.join();
+}
+
+absl::Status RunClosedLoop(RunState& state, const std::function<void()>& start_timed, double* elapsed) {
+  const int32_t callers = state.options.concurrency;
+  const bool stream = state.options.api == "stream";
+  // Callers that finished their warmup; the timed phase starts when all have.
+  struct Warmed {
+    int32_t count = 0;
+    int32_t of = 0;
+    bool All() const { return count == of; }
+  };
+  absl::Mutex mu;
+  Warmed warmed;
+  warmed.of = callers;
+  absl::Notification go;
+  Phase timed;
+  timed.timed = true;
+  timed.steps_per_batch = state.options.steps;
+
+  std::vector<std::unique_ptr<Caller>> all;
+  for (int32_t c = 0; c < callers; ++c) {
+    std::vector<int32_t> mine;
+    for (size_t b = static_cast<size_t>(c); b < state.batches.size(); b += static_cast<size_t>(callers)) {
+      mine.push_back(static_cast<int32_t>(b));
+    }
+    all.push_back(std::make_unique<Caller>(state, std::move(mine)));
+  }
+  std::vector<std::thread> threads;
+  for (int32_t c = 0; c < callers; ++c) {
+    threads.emplace_back([&, caller = all[static_cast<size_t>(c)].get()] {
+      Phase warmup;
+      warmup.steps_per_batch = state.options.warmup_steps;
+      std::unique_ptr<client::DecodeStream> decode_stream;
+      bool ok = true;
+      if (stream) {
+        decode_stream = state.client->OpenDecodeStream();
+        if (warmup.steps_per_batch > 0) ok = caller->RunStream(warmup, decode_stream.get());
+      } else if (warmup.steps_per_batch > 0) {
+        caller->RunUnary(warmup);
+      }
+      {
+        absl::MutexLock lock(&mu);
+        ++warmed.count;
+      }
+      go.WaitForNotification();
+      if (stream) {
+        if (ok) ok = caller->RunStream(timed, decode_stream.get());
+        decode_stream->WritesDone();
+        absl::Status finish = decode_stream->Finish();
+        if (!ok) {
+          if (finish.ok()) finish = absl::UnavailableError("DecodeStream broke");
+          state.CountError(finish);
+          for (const int32_t b : caller->batches()) state.Retire(b, finish);
+        }
+      } else {
+        caller->RunUnary(timed);
+      }
+    });
+  }
+  {
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(&warmed, &Warmed::All));
+  }
+  start_timed();
+  state.measuring.store(true);
+  const SteadyClock::time_point t0 = SteadyClock::now();
+  timed.deadline = t0 + std::chrono::duration_cast<SteadyClock::duration>(
+                            absl::ToChronoNanoseconds(state.options.duration));
+  go.Notify();
+  for (std::thread& t : threads) t.join();
+  *elapsed = SecondsBetween(t0, SteadyClock::now());
+  state.measuring.store(false);
+  for (auto& caller : all) state.AddSamples(caller->TakeSamples());
+  return absl::OkStatus();
+}
+
+}  // namespace pagedattn::loadgen

@@ -1,0 +1,499 @@
+#include "client/loadgen/loadgen.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/loadgen/run_state.h"
+#include "client/loadgen/server_metrics.h"
+
+namespace pagedattn::loadgen {
+namespace {
+
+constexpr int64_t kPageSize = 64;
+// K and V of one token at one layer: 4 heads x 128 x 2 bytes, twice.
+constexpr int64_t kKvBytesPerToken = 2 * kKvRowBytes;
+
+int64_t Pages(int64_t tokens) { return (tokens + kPageSize - 1) / kPageSize; }
+
+absl::Status Validate(const LoadGenOptions& o, const v1::GetModelConfigResponse& config) {
+  if (o.mode != "closed" && o.mode != "open") return absl::InvalidArgumentError("mode must be closed or open");
+  if (o.api != "unary" && o.api != "stream") return absl::InvalidArgumentError("api must be unary or stream");
+  if (o.mode == "open" && o.api != "unary") return absl::InvalidArgumentError("the open loop uses unary calls only");
+  if (o.mode == "open" && !(o.rate > 0)) return absl::InvalidArgumentError("the open loop needs a rate > 0");
+  if (o.arrival != "poisson" && o.arrival != "fixed") return absl::InvalidArgumentError("arrival must be poisson or fixed");
+  if (o.concurrency < 1) return absl::InvalidArgumentError("concurrency must be >= 1");
+  if (o.batch_size < 1 || o.batch_size > config.max_batch_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("batch_size must be in 1..", config.max_batch_size(),
+                                                   " (the server's max_batch_size), got ", o.batch_size));
+  }
+  const int64_t n = o.num_sequences > 0 ? o.num_sequences : int64_t{o.concurrency} * o.batch_size;
+  if (n % o.batch_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("num_sequences (", n, ") must be a multiple of batch_size (",
+                                                   o.batch_size, ")"));
+  }
+  if (o.mode == "closed" && n / o.batch_size < o.concurrency) {
+    return absl::InvalidArgumentError(absl::StrCat("the closed loop needs at least concurrency x batch_size = ",
+                                                   int64_t{o.concurrency} * o.batch_size, " sequences, got ", n));
+  }
+  if (o.steps < 0 || o.warmup_steps < 0) return absl::InvalidArgumentError("steps must be >= 0");
+  if (o.steps == 0 && o.duration <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("give a duration > 0 or steps > 0");
+  }
+  if (o.prefill_chunk_tokens < 1) return absl::InvalidArgumentError("prefill_chunk_tokens must be >= 1");
+  if (o.fill_concurrency < 1) return absl::InvalidArgumentError("fill_concurrency must be >= 1");
+  if (o.stream_in_flight < 1) return absl::InvalidArgumentError("stream_in_flight must be >= 1");
+  if (o.sm_scale < 0 || !std::isfinite(o.sm_scale)) return absl::InvalidArgumentError("sm_scale must be finite and >= 0");
+  if (config.num_qo_heads() != 24 || config.num_kv_heads() != 4 || config.head_dim() != 128 ||
+      config.page_size() != kPageSize) {
+    return absl::FailedPreconditionError("the server's shapes are not 24/4/128 with 64-token pages");
+  }
+  return absl::OkStatus();
+}
+
+// Runs fn(i) for i in [0, n) on `threads` threads; the first error wins and stops the others.
+absl::Status ParallelFor(int64_t n, int32_t threads, const std::function<absl::Status(int64_t)>& fn) {
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> failed{false};
+  absl::Mutex mu;
+  absl::Status first;
+  std::vector<std::thread> workers;
+  const int32_t count = static_cast<int32_t>(std::max<int64_t>(1, std::min<int64_t>(threads, n)));
+  for (int32_t t = 0; t < count; ++t) {
+    workers.emplace_back([&] {
+      for (int64_t i; !failed.load() && (i = next.fetch_add(1)) < n;) {
+        absl::Status s = fn(i);
+        if (!s.ok()) {
+          absl::MutexLock lock(&mu);
+          if (first.ok()) first = s;
+          failed.store(true);
+        }
+      }
+    });
+  }
+  for (std::thread& w : workers) w.join();
+  return first;
+}
+
+absl::Status Fill(RunState& state, int32_t chunk_tokens, int64_t* bytes_sent) {
+  std::atomic<int64_t> bytes{0};
+  absl::Status s = ParallelFor(
+      static_cast<int64_t>(state.sequences.size()), state.options.fill_concurrency, [&](int64_t i) -> absl::Status {
+        Sequence& seq = state.sequences[static_cast<size_t>(i)];
+        Samples samples;
+        SteadyClock::time_point t0 = SteadyClock::now();
+        absl::Status created = state.client->CreateSequence(seq.id);
+        samples.Add("CreateSequence", SecondsBetween(t0, SteadyClock::now()));
+        if (!created.ok()) {
+          state.CountError(created);
+          return absl::Status(created.code(), absl::StrCat("CreateSequence ", seq.id, ": ", created.message()));
+        }
+        seq.created = true;
+        for (int64_t done = 0; done < seq.prefill;) {
+          const int32_t n = static_cast<int32_t>(std::min<int64_t>(chunk_tokens, seq.prefill - done));
+          for (int32_t layer = 0; layer < state.num_layers; ++layer) {
+            std::string k = state.pool->Slice(n * kKvRowBytes);
+            std::string v = state.pool->Slice(n * kKvRowBytes);
+            if (state.check != nullptr) state.check->OnAppend(seq.id, layer, k, v);
+            t0 = SteadyClock::now();
+            absl::StatusOr<int64_t> length = state.client->AppendKV(seq.id, layer, n, std::move(k), std::move(v));
+            samples.Add("AppendKV", SecondsBetween(t0, SteadyClock::now()));
+            if (!length.ok()) {
+              state.CountError(length.status());
+              return absl::Status(length.status().code(),
+                                  absl::StrCat("AppendKV of ", n, " tokens to sequence ", seq.id, " layer ", layer,
+                                               ": ", length.status().message()));
+            }
+            const int64_t want = layer == state.num_layers - 1 ? done + n : done;
+            if (*length != want) {
+              return absl::InternalError(absl::StrCat("AppendKV: sequence ", seq.id, " has ", *length,
+                                                      " committed tokens, expected ", want));
+            }
+            bytes.fetch_add(2 * n * kKvRowBytes);
+          }
+          done += n;
+        }
+        seq.length = seq.prefill;
+        state.AddSamples(std::move(samples));
+        return absl::OkStatus();
+      });
+  *bytes_sent = bytes.load();
+  return s;
+}
+
+void ReleaseAll(RunState& state) {
+  // Failures are counted, not returned: a release is best effort.
+  ParallelFor(static_cast<int64_t>(state.sequences.size()), state.options.fill_concurrency, [&](int64_t i) {
+    Sequence& seq = state.sequences[static_cast<size_t>(i)];
+    if (!seq.created) return absl::OkStatus();
+    const SteadyClock::time_point t0 = SteadyClock::now();
+    absl::Status s = state.client->ReleaseSequence(seq.id);
+    state.AddSample("ReleaseSequence", SecondsBetween(t0, SteadyClock::now()));
+    if (s.ok()) {
+      seq.created = false;
+    } else {
+      state.CountError(s);
+    }
+    return absl::OkStatus();
+  }).IgnoreError();
+}
+
+Json StatsToJson(const v1::GetStatsResponse& s) {
+  Json j = Json::Object();
+  j.Set("pages_total", s.pages_total());
+  j.Set("pages_free", s.pages_free());
+  j.Set("sequences", s.sequences());
+  j.Set("tokens", s.tokens());
+  j.Set("batches", s.batches());
+  j.Set("decoded_sequences", s.decoded_sequences());
+  j.Set("healthy", s.healthy());
+  return j;
+}
+
+double Get(const Json& j, std::initializer_list<absl::string_view> path) {
+  const Json* at = &j;
+  for (absl::string_view key : path) {
+    at = at->Find(key);
+    if (at == nullptr) return NAN;
+  }
+  return at->type() == Json::Type::kNumber ? at->number() : NAN;
+}
+
+// The server's breakdown over the timed phase, from two scrapes.
+Json ServerBreakdown(const Scrape& before, const Scrape& after) {
+  Json j = Json::Object();
+  j.Set("queue_duration", HistogramToJson(Subtract(GetHistogram(after, "pagedattn_queue_duration_seconds"),
+                                                   GetHistogram(before, "pagedattn_queue_duration_seconds")),
+                                          1e6, "_us"));
+  j.Set("kernel_duration", HistogramToJson(Subtract(GetHistogram(after, "pagedattn_kernel_duration_seconds"),
+                                                    GetHistogram(before, "pagedattn_kernel_duration_seconds")),
+                                           1e6, "_us"));
+  j.Set("batch_size", HistogramToJson(Subtract(GetHistogram(after, "pagedattn_batch_size"),
+                                               GetHistogram(before, "pagedattn_batch_size"))));
+  Json by_method = Json::Object();
+  for (const char* method : {"Decode", "DecodeStream", "AppendKV"}) {
+    const Histogram d = Subtract(GetHistogram(after, "pagedattn_request_duration_seconds", {{"method", method}}),
+                                 GetHistogram(before, "pagedattn_request_duration_seconds", {{"method", method}}));
+    if (d.count > 0) by_method.Set(method, HistogramToJson(d, 1e6, "_us"));
+  }
+  j.Set("request_duration", std::move(by_method));
+  j.Set("requests_total", CounterDeltas(after, before, "pagedattn_requests_total"));
+  j.Set("rejected_requests_total", CounterDeltas(after, before, "pagedattn_rejected_requests_total"));
+  return j;
+}
+
+}  // namespace
+
+absl::StatusOr<Json> RunLoad(const LoadGenOptions& o, client::Client* client, std::ostream* log) {
+  auto say = [log](const std::string& line) {
+    if (log != nullptr) *log << "pagedattn-loadgen: " << line << std::endl;
+  };
+  RunState state(o, client);
+  SteadyClock::time_point t0 = SteadyClock::now();
+  absl::StatusOr<v1::GetModelConfigResponse> config = client->GetModelConfig();
+  state.AddSample("GetModelConfig", SecondsBetween(t0, SteadyClock::now()));
+  if (!config.ok()) return config.status();
+  if (absl::Status s = Validate(o, *config); !s.ok()) return s;
+  state.num_layers = config->num_layers();
+
+  const int64_t n = o.num_sequences > 0 ? o.num_sequences : int64_t{o.concurrency} * o.batch_size;
+  absl::StatusOr<std::vector<int64_t>> lengths = DrawLengths(o.lengths, n, config->page_size());
+  if (!lengths.ok()) return lengths.status();
+
+  uint64_t base = o.sequence_id_base;
+  if (base == 0) {
+    // A random base with room for 2^24 sequences, so that concurrent runs do not collide.
+    std::random_device device;
+    const uint64_t hi = device(), lo = device();
+    base = ((hi << 32) | lo) & ~uint64_t{0xffffff};
+    if (base == 0) base = uint64_t{1} << 24;
+  }
+  state.sequences.resize(static_cast<size_t>(n));
+  int64_t prefill_tokens = 0, max_len = 0, min_len = INT64_MAX;
+  for (int64_t i = 0; i < n; ++i) {
+    Sequence& s = state.sequences[static_cast<size_t>(i)];
+    s.id = base + static_cast<uint64_t>(i);
+    s.prefill = (*lengths)[static_cast<size_t>(i)];
+    prefill_tokens += s.prefill;
+    max_len = std::max(max_len, s.prefill);
+    min_len = std::min(min_len, s.prefill);
+  }
+  for (int64_t b = 0; b < n / o.batch_size; ++b) {
+    std::vector<int32_t> members;
+    for (int64_t i = 0; i < o.batch_size; ++i) members.push_back(static_cast<int32_t>(b * o.batch_size + i));
+    state.batches.push_back(std::move(members));
+  }
+
+  // Capacity: the prefill plus the tokens that the steps append (when their count is known).
+  const int64_t growth = o.decode_kv ? o.warmup_steps + (o.steps > 0 ? o.steps : 1) : 0;
+  int64_t pages_needed = 0;
+  for (const Sequence& s : state.sequences) pages_needed += Pages(s.prefill + growth);
+  t0 = SteadyClock::now();
+  absl::StatusOr<v1::GetStatsResponse> stats0 = client->GetStats();
+  state.AddSample("GetStats", SecondsBetween(t0, SteadyClock::now()));
+  if (!stats0.ok()) return stats0.status();
+  if (pages_needed > stats0->pages_free()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        n, " sequences of ", min_len, "..", max_len, " tokens (+", growth, " decoded) need ", pages_needed,
+        " pages per layer; the server has ", stats0->pages_free(), " free of ", stats0->pages_total(),
+        " (start it with a larger --num_pages, or ask for fewer/shorter sequences)"));
+  }
+
+  const int64_t limit = std::min<int64_t>(config->max_message_bytes() > 0 ? config->max_message_bytes() : (4 << 20),
+                                          64 << 20);
+  const int32_t chunk = static_cast<int32_t>(
+      std::max<int64_t>(1, std::min<int64_t>(o.prefill_chunk_tokens, (limit - (64 << 10)) / (2 * kKvRowBytes))));
+  const int64_t largest_slice = std::max<int64_t>(int64_t{chunk} * kKvRowBytes, int64_t{o.batch_size} * kQueryBytes);
+  state.pool = std::make_unique<RandomPool>(std::max<int64_t>(16 << 20, 4 * largest_slice), o.seed);
+
+  ReferenceCheck::Options check_options;
+  if (o.check_sequences > 0) {
+    check_options.num_layers = state.num_layers;
+    check_options.max_decodes = o.check_decodes;
+    check_options.sm_scale = o.sm_scale;
+    state.check = std::make_unique<ReferenceCheck>(check_options);
+    // Spread the sampled sequences over the batches.
+    const int64_t want = std::min<int64_t>(o.check_sequences, n);
+    for (int64_t k = 0; k < want; ++k) state.check->Sample(state.sequences[static_cast<size_t>(k * n / want)].id);
+  }
+
+  say(absl::StrCat("server ", config->backend(), ", ", config->num_layers(), " layer(s), ", config->num_pages(),
+                   " pages; filling ", n, " sequences (", prefill_tokens, " tokens, ", min_len, "..", max_len,
+                   ") in chunks of ", chunk));
+  int64_t fill_bytes = 0;
+  t0 = SteadyClock::now();
+  absl::Status filled = Fill(state, chunk, &fill_bytes);
+  const double fill_seconds = SecondsBetween(t0, SteadyClock::now());
+  if (!filled.ok()) {
+    if (o.release) ReleaseAll(state);
+    return filled;
+  }
+
+  const bool want_metrics = !o.metrics_address.empty();
+  Scrape before, after;
+  std::string metrics_error;
+  v1::GetStatsResponse stats_before, stats_after;
+  auto scrape = [&](Scrape* into) {
+    if (!want_metrics || !metrics_error.empty()) return;
+    absl::StatusOr<std::string> body = HttpGet(o.metrics_address, "/metrics");
+    absl::StatusOr<Scrape> parsed = body.ok() ? ParseExposition(*body) : absl::StatusOr<Scrape>(body.status());
+    if (parsed.ok()) {
+      *into = *std::move(parsed);
+    } else {
+      metrics_error = parsed.status().ToString();
+    }
+  };
+  auto start_timed = [&] {
+    scrape(&before);
+    if (absl::StatusOr<v1::GetStatsResponse> s = client->GetStats(); s.ok()) stats_before = *s;
+  };
+  say(absl::StrCat("filled in ", absl::StrFormat("%.2f", fill_seconds), " s; ", o.mode, " loop, ",
+                   o.mode == "closed" ? absl::StrCat(o.concurrency, " ", o.api, " caller(s), ")
+                                      : absl::StrCat(o.rate, " steps/s ", o.arrival, ", "),
+                   "batch ", o.batch_size, ", ",
+                   o.steps > 0 ? absl::StrCat(o.steps, " steps per batch") : absl::FormatDuration(o.duration)));
+  double elapsed = 0;
+  Json open_stats;
+  absl::Status ran = o.mode == "closed" ? RunClosedLoop(state, start_timed, &elapsed)
+                                        : RunOpenLoop(state, start_timed, &elapsed, &open_stats);
+  scrape(&after);
+  if (absl::StatusOr<v1::GetStatsResponse> s = client->GetStats(); s.ok()) stats_after = *s;
+  ReferenceCheck::Result check_result;
+  if (state.check != nullptr) {
+    say("verifying sampled decodes against the CPU reference");
+    check_result = state.check->Verify();
+  }
+  if (o.release) ReleaseAll(state);
+  if (!ran.ok()) return ran;
+
+  // The result.
+  Json result = Json::Object();
+  result.Set("schema", "pagedattn-loadgen/1");
+  Json cfg = Json::Object();
+  cfg.Set("mode", o.mode);
+  cfg.Set("api", o.api);
+  cfg.Set("concurrency", o.concurrency);
+  cfg.Set("batch_size", o.batch_size);
+  cfg.Set("num_sequences", n);
+  cfg.Set("num_layers", state.num_layers);
+  cfg.Set("decode_kv", o.decode_kv);
+  Json len = Json::Object();
+  len.Set("distribution", o.lengths.distribution);
+  if (o.lengths.distribution == "fixed") len.Set("context_len", o.lengths.fixed_len);
+  if (o.lengths.distribution == "uniform") {
+    len.Set("min", o.lengths.min_len);
+    len.Set("max", o.lengths.max_len);
+  }
+  if (o.lengths.distribution == "workload") {
+    len.Set("file", o.lengths.workload_file.empty() ? DefaultWorkloadFile() : o.lengths.workload_file);
+    Json names = Json::Array();
+    for (const std::string& name : o.lengths.shape_names) names.Push(name);
+    len.Set("shapes", std::move(names));
+    len.Set("order", o.lengths.workload_order);
+  }
+  cfg.Set("lengths", std::move(len));
+  cfg.Set("duration_s", o.steps > 0 ? Json() : Json(absl::ToDoubleSeconds(o.duration)));
+  cfg.Set("steps_per_batch", o.steps);
+  cfg.Set("warmup_steps_per_batch", o.warmup_steps);
+  if (o.mode == "open") {
+    cfg.Set("rate_per_s", o.rate);
+    cfg.Set("arrival", o.arrival);
+  }
+  if (o.api == "stream") cfg.Set("stream_in_flight", o.stream_in_flight);
+  cfg.Set("prefill_chunk_tokens", chunk);
+  cfg.Set("seed", o.seed);
+  Json server_cfg = Json::Object();
+  server_cfg.Set("backend", config->backend());
+  server_cfg.Set("num_layers", config->num_layers());
+  server_cfg.Set("num_pages", config->num_pages());
+  server_cfg.Set("max_batch_size", config->max_batch_size());
+  server_cfg.Set("max_message_bytes", config->max_message_bytes());
+  cfg.Set("server", std::move(server_cfg));
+  result.Set("config", std::move(cfg));
+
+  Json ctx = Json::Object();
+  ctx.Set("sequences", n);
+  ctx.Set("prefill_tokens_total", prefill_tokens);
+  ctx.Set("prefill_tokens_min", min_len);
+  ctx.Set("prefill_tokens_mean", static_cast<double>(prefill_tokens) / static_cast<double>(n));
+  ctx.Set("prefill_tokens_max", max_len);
+  result.Set("context", std::move(ctx));
+
+  Json fill = Json::Object();
+  fill.Set("seconds", fill_seconds);
+  fill.Set("kv_bytes", fill_bytes);
+  fill.Set("kv_gb_per_s", fill_seconds > 0 ? static_cast<double>(fill_bytes) / fill_seconds / 1e9 : 0.0);
+  result.Set("fill", std::move(fill));
+
+  const int64_t requests = state.requests_ok.load();
+  const int64_t seq_decodes = state.sequence_decodes.load();
+  const int64_t steps = state.steps_done.load();
+  const int64_t attended = state.attended_tokens.load();
+  const double kv_bytes = static_cast<double>(attended) * kKvBytesPerToken;
+  Json run = Json::Object();
+  run.Set("elapsed_s", elapsed);
+  run.Set("steps", steps);
+  run.Set("decode_requests", requests);
+  run.Set("sequence_decodes", seq_decodes);
+  run.Set("mean_context_tokens", seq_decodes > 0 ? static_cast<double>(attended) / static_cast<double>(seq_decodes) : 0.0);
+  run.Set("kv_bytes_read", kv_bytes);
+  {
+    absl::MutexLock lock(&state.mu);
+    Json errors = Json::Object();
+    for (const auto& [code, count] : state.errors) errors.Set(code, count);
+    run.Set("errors", std::move(errors));
+    Json retired = Json::Array();
+    for (const std::string& why : state.retired) retired.Push(why);
+    run.Set("retired_batches", std::move(retired));
+  }
+  if (o.mode == "open") run.Set("open_loop", std::move(open_stats));
+  result.Set("run", std::move(run));
+
+  Json tp = Json::Object();
+  tp.Set("sequence_decodes_per_s", elapsed > 0 ? seq_decodes / elapsed : 0.0);
+  tp.Set("tokens_per_s", elapsed > 0 ? static_cast<double>(steps) * o.batch_size / elapsed : 0.0);
+  tp.Set("requests_per_s", elapsed > 0 ? requests / elapsed : 0.0);
+  tp.Set("steps_per_s", elapsed > 0 ? steps / elapsed : 0.0);
+  tp.Set("kv_gb_per_s", elapsed > 0 ? kv_bytes / elapsed / 1e9 : 0.0);
+  result.Set("throughput", std::move(tp));
+
+  {
+    absl::MutexLock lock(&state.mu);
+    result.Set("latency", state.samples.ToJson());
+  }
+
+  Json server = Json::Object();
+  Json stats_delta = Json::Object();
+  const int64_t batches = stats_after.batches() - stats_before.batches();
+  const int64_t decoded = stats_after.decoded_sequences() - stats_before.decoded_sequences();
+  stats_delta.Set("batches", batches);
+  stats_delta.Set("decoded_sequences", decoded);
+  stats_delta.Set("mean_batch_size", batches > 0 ? static_cast<double>(decoded) / static_cast<double>(batches) : 0.0);
+  server.Set("stats_delta", std::move(stats_delta));
+  server.Set("stats_after", StatsToJson(stats_after));
+  if (!want_metrics) {
+    server.Set("metrics", Json());
+  } else if (!metrics_error.empty()) {
+    Json m = Json::Object();
+    m.Set("error", metrics_error);
+    server.Set("metrics", std::move(m));
+  } else {
+    Json m = ServerBreakdown(before, after);
+    m.Set("address", o.metrics_address);
+    server.Set("metrics", std::move(m));
+  }
+  result.Set("server", std::move(server));
+
+  // The figures, derived.
+  Json derived = Json::Object();
+  const Json* srv = result.Find("server");
+  const double kernel_mean_us = Get(*srv, {"metrics", "kernel_duration", "mean_us"});
+  const double kernel_sum_us = Get(*srv, {"metrics", "kernel_duration", "sum_us"});
+  const char* rpc = o.api == "stream" ? "DecodeStream" : "Decode";
+  const double p50_us = Get(result, {"latency", rpc, "p50_us"});
+  const double mean_us = Get(result, {"latency", rpc, "mean_us"});
+  const double server_mean_us = Get(*srv, {"metrics", "request_duration", rpc, "mean_us"});
+  const double kernel_alone = kernel_sum_us > 0 ? static_cast<double>(decoded) / (kernel_sum_us * 1e-6) : NAN;
+  const double measured = elapsed > 0 ? seq_decodes / elapsed : 0.0;
+  derived.Set("kernel_mean_us", kernel_mean_us);
+  derived.Set("request_p50_minus_kernel_mean_us", p50_us - kernel_mean_us);
+  derived.Set("request_mean_over_kernel_mean", mean_us / kernel_mean_us);
+  derived.Set("server_request_mean_over_kernel_mean", server_mean_us / kernel_mean_us);
+  derived.Set("kernel_alone_sequence_decodes_per_s", kernel_alone);
+  derived.Set("throughput_over_kernel_alone", measured / kernel_alone);
+  derived.Set("kernel_kv_gb_per_s", kernel_sum_us > 0 ? kv_bytes / (kernel_sum_us * 1e-6) / 1e9 : NAN);
+  result.Set("derived", std::move(derived));
+
+  if (state.check != nullptr) {
+    result.Set("check", check_result.ToJson(check_options));
+  } else {
+    Json off = Json::Object();
+    off.Set("enabled", false);
+    result.Set("check", std::move(off));
+  }
+  return result;
+}
+
+std::string FormatSummary(const Json& r) {
+  const Json* cfg = r.Find("config");
+  const std::string api = cfg != nullptr && cfg->Find("api") != nullptr ? cfg->Find("api")->string() : "unary";
+  const char* rpc = api == "stream" ? "DecodeStream" : "Decode";
+  std::string out = absl::StrFormat(
+      "batch %.0f x %.0f callers, context %.0f tokens (mean during decode), %.0f layer(s): %.0f steps in %.2f s\n"
+      "  throughput: %.1f sequence-decodes/s, %.1f tokens/s, %.2f GB/s of KV read\n"
+      "  %s latency: p50 %.1f us, p90 %.1f us, p99 %.1f us; step p50 %.1f us\n",
+      Get(r, {"config", "batch_size"}), Get(r, {"config", "concurrency"}), Get(r, {"run", "mean_context_tokens"}),
+      Get(r, {"config", "num_layers"}), Get(r, {"run", "steps"}), Get(r, {"run", "elapsed_s"}),
+      Get(r, {"throughput", "sequence_decodes_per_s"}), Get(r, {"throughput", "tokens_per_s"}),
+      Get(r, {"throughput", "kv_gb_per_s"}), rpc, Get(r, {"latency", rpc, "p50_us"}),
+      Get(r, {"latency", rpc, "p90_us"}), Get(r, {"latency", rpc, "p99_us"}), Get(r, {"latency", "step", "p50_us"}));
+  const double kernel = Get(r, {"derived", "kernel_mean_us"});
+  if (std::isfinite(kernel)) {
+    out += absl::StrFormat(
+        "  server: kernel mean %.1f us, queue mean %.1f us, batch size mean %.1f; request p50 - kernel = %.1f us, "
+        "request/kernel = %.2fx, throughput/kernel-alone = %.2f\n",
+        kernel, Get(r, {"server", "metrics", "queue_duration", "mean_us"}),
+        Get(r, {"server", "metrics", "batch_size", "mean"}), Get(r, {"derived", "request_p50_minus_kernel_mean_us"}),
+        Get(r, {"derived", "request_mean_over_kernel_mean"}), Get(r, {"derived", "throughput_over_kernel_alone"}));
+  } else {
+    out += absl::StrFormat("  server: %.0f batches, mean batch size %.1f (no metrics endpoint read)\n",
+                           Get(r, {"server", "stats_delta", "batches"}),
+                           Get(r, {"server", "stats_delta", "mean_batch_size"}));
+  }
+  const Json* check = r.Find("check");
+  const Json* enabled = check != nullptr ? check->Find("enabled") : nullptr;
+  if (enabled != nullptr && enabled->boolean()) {
+    out += absl::StrFormat("  check: %s, %.0f decodes of %.0f sequences, max output rel L2 %.3g, max lse error %.3g\n",
+                           check->Find("passed") != nullptr && check->Find("passed")->boolean() ? "PASS" : "FAIL",
+                           Get(r, {"check", "decodes_checked"}), Get(r, {"check", "sequences"}),
+                           Get(r, {"check", "max_output_rel_l2"}), Get(r, {"check", "max_lse_abs_err"}));
+  }
+  return out;
+}
+
+}  // namespace pagedattn::loadgen

@@ -1,0 +1,57 @@
+// Context lengths for the load generator's sequences: fixed, uniform, or taken from a workload
+// file of ../shared/workloads/ (one JSON object a line with name, batch_size, kv_indptr and
+// kv_last_page_len; see ../shared/DEFINITION.md). Pure functions, thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "absl/status/statusor.h"
+
+namespace pagedattn::loadgen {
+
+// One recorded batch shape: the token count of each of its sequences.
+struct WorkloadShape {
+  std::string name;
+  std::vector<int64_t> lengths;  // batch_size entries; (pages - 1) * 64 + last_page_len, 0 if no pages
+};
+
+// Parses one line. INVALID_ARGUMENT when a field is missing or inconsistent (kv_indptr not of
+// batch_size + 1 non-decreasing entries starting at 0, last page lengths outside 1..64).
+absl::StatusOr<WorkloadShape> ParseWorkloadLine(absl::string_view line, int32_t page_size = 64);
+
+// Every non-empty line of the file. NOT_FOUND if it cannot be read, INVALID_ARGUMENT (with the
+// line number) for a bad line or an empty file.
+absl::StatusOr<std::vector<WorkloadShape>> LoadWorkloadFile(const std::string& path,
+                                                            int32_t page_size = 64);
+
+// The workload file to use when none is given: the first that exists of
+// kernels/bench/workloads/<name> and ../shared/workloads/<name> (relative to the working
+// directory, i.e. the repository root), then /work/shared/workloads/<name>; "" if none.
+std::string DefaultWorkloadFile();
+inline constexpr char kDefaultWorkloadName[] = "gqa_paged_decode_h24_kv4_d128_ps64.jsonl";
+
+struct LengthOptions {
+  // "fixed": every sequence has fixed_len tokens. "uniform": integers drawn uniformly from
+  // [min_len, max_len]. "workload": the sequences of the file's shapes (those named in
+  // shape_names, or all), in file order ("cycle") or drawn at random ("random").
+  std::string distribution = "fixed";
+  int64_t fixed_len = 4096;
+  int64_t min_len = 512;
+  int64_t max_len = 8192;
+  std::string workload_file;              // empty: DefaultWorkloadFile()
+  std::vector<std::string> shape_names;   // empty: every shape
+  std::string workload_order = "cycle";   // cycle | random
+  int64_t max_workload_len = 0;           // > 0: workload lengths are clamped to it
+  uint64_t seed = 1;
+};
+
+// n lengths, each >= 1 (a workload's empty sequences become 1 token). INVALID_ARGUMENT for bad
+// options; the errors of LoadWorkloadFile; NOT_FOUND for a shape name that is not in the file.
+absl::StatusOr<std::vector<int64_t>> DrawLengths(const LengthOptions& options, int64_t n,
+                                                 int32_t page_size = 64);
+
+}  // namespace pagedattn::loadgen
