@@ -71,11 +71,12 @@ struct CudaDecoder::Impl {
     const cuuint64_t strides[3] = {kHeadDim * 2, kTokenElems * 2, kPageElems * 2};
     const cuuint32_t box[4] = {64, 1, kPageSize, 1};
     const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-    CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+    // 128-byte promotion: 256 cost 6% on the largest workloads (kernels/bench/NOTES.md, v2).
+    CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
     switch (options.tuning.tma_l2_promotion_bytes) {
       case 0: promotion = CU_TENSOR_MAP_L2_PROMOTION_NONE; break;
       case 64: promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_64B; break;
-      case 128: promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B; break;
+      case 256: promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B; break;
       default: break;
     }
     const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(cache),

@@ -103,8 +103,10 @@ __device__ void Produce(const KernelParams& p, SharedStorage& s, const WorkItem&
                         int lane) {
   int stage = 0;
   uint32_t phase = 0;
+  WorkItem next = head;
   for (int i = 0; i < count; ++i) {
-    const WorkItem it = ItemAt(p, head, i);
+    const WorkItem it = next;
+    if (i + 1 < count) next = ItemAt(p, head, i + 1);  // in flight while this item is issued
     if (it.num_pages == 0) continue;
     const int seq = it.seq_head / kNumKvHeads;
     const int kvh = it.seq_head % kNumKvHeads;
@@ -245,86 +247,95 @@ __device__ void WriteEmpty(const KernelParams& p, int row0, int tid) {
   if (tid < kGroupSize) p.lse[row0 + tid] = -INFINITY;
 }
 
+// Combines the 4 consumer warps' (max, sum, unnormalised output) triples already in scratch and
+// writes the normalised output (bf16) and base-2 lse of rows row0..row0+5: thread tid owns dim
+// tid of all 6 rows. Ends with the scratch free again.
+__device__ void CombineWarpsToOutput(const KernelParams& p, SharedStorage& s, int64_t row0,
+                                     int tid) {
+#pragma unroll
+  for (int h = 0; h < kGroupSize; ++h) {
+    float mx = s.scratch_m[0][h];
+#pragma unroll
+    for (int w = 1; w < kConsumerWarps; ++w) mx = fmaxf(mx, s.scratch_m[w][h]);
+    float sum = 0.0f;
+    float acc = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kConsumerWarps; ++w) {
+      const float e = ptx::Exp2(s.scratch_m[w][h] - mx);
+      sum += e * s.scratch_l[w][h];
+      acc += e * s.scratch_o[w][h][tid];
+    }
+    p.output[(row0 + h) * kHeadDim + tid] = ToBf16(acc / sum);
+    if (tid == 0) p.lse[row0 + h] = mx + log2f(sum);
+  }
+  ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
+}
+
 // The last CTA of a merge group combines its pieces' partial results by their log-sum-exp.
+// Warp w takes pieces w, w+4, ...; lane holds dims 4*lane..4*lane+3 of all 6 rows and folds its
+// pieces in with an online log-sum-exp (lse and output loads of three pieces in flight at once);
+// then the 4 warps combine through shared memory like the end of an item.
 __device__ void Merge(const KernelParams& p, SharedStorage& s, int group, int64_t row0, int warp,
                       int lane) {
   const int2 grp = __ldg(reinterpret_cast<const int2*>(p.groups + group));
   const int sb = grp.x;
   const int n = grp.y;
-  for (int g = warp; g < kGroupSize; g += kConsumerWarps) {
-    float mx = -INFINITY;
-    for (int q = lane; q < n; q += 32) mx = fmaxf(mx, __ldcg(p.part_lse + (sb + q) * kGroupSize + g));
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    float sum = 0.0f;
-    for (int q = lane; q < n; q += 32) {
-      const float e = ptx::Exp2(__ldcg(p.part_lse + (sb + q) * kGroupSize + g) - mx);
-      s.weights[q][g] = e;
-      sum += e;
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    const float inv = 1.0f / sum;
-    for (int q = lane; q < n; q += 32) s.weights[q][g] *= inv;
-    if (lane == 0) p.lse[row0 + g] = mx + log2f(sum);
-  }
-  ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
-
-  // Warp w sums pieces w, w+4, ...; lane holds dims 4*lane..4*lane+3 of all 6 rows.
-  const float4* part = reinterpret_cast<const float4*>(p.part_o) +
-                       int64_t{sb} * (kPartialFloats / 4) + lane;
+  constexpr int kSlotVecs = kPartialFloats / 4;
+  constexpr int kRound = 3;
+  const float4* part = reinterpret_cast<const float4*>(p.part_o) + int64_t{sb} * kSlotVecs + lane;
+  const float* part_lse = p.part_lse + int64_t{sb} * kGroupSize;
+  float m[kGroupSize], l[kGroupSize];
   float4 acc[kGroupSize];
 #pragma unroll
-  for (int g = 0; g < kGroupSize; ++g) acc[g] = make_float4(0.f, 0.f, 0.f, 0.f);
-  // Four pieces per round: 24 independent 16-byte loads in flight per thread.
-  constexpr int kSlotVecs = kPartialFloats / 4;
-  int q = warp;
-  for (; q + 3 * kConsumerWarps < n; q += 4 * kConsumerWarps) {
-    float4 a[4][kGroupSize];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-#pragma unroll
-      for (int g = 0; g < kGroupSize; ++g) {
-        a[u][g] = __ldcg(part + int64_t{q + u * kConsumerWarps} * kSlotVecs + g * 32);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-#pragma unroll
-      for (int g = 0; g < kGroupSize; ++g) {
-        const float w = s.weights[q + u * kConsumerWarps][g];
-        acc[g].x += w * a[u][g].x;
-        acc[g].y += w * a[u][g].y;
-        acc[g].z += w * a[u][g].z;
-        acc[g].w += w * a[u][g].w;
-      }
-    }
+  for (int g = 0; g < kGroupSize; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+    acc[g] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  for (; q < n; q += kConsumerWarps) {
+  for (int q0 = warp; q0 < n; q0 += kRound * kConsumerWarps) {
+    float4 o[kRound][kGroupSize];
+    float ls[kRound][kGroupSize];
 #pragma unroll
-    for (int g = 0; g < kGroupSize; ++g) {
-      const float4 a = __ldcg(part + int64_t{q} * kSlotVecs + g * 32);
-      const float w = s.weights[q][g];
-      acc[g].x += w * a.x;
-      acc[g].y += w * a.y;
-      acc[g].z += w * a.z;
-      acc[g].w += w * a.w;
+    for (int u = 0; u < kRound; ++u) {
+      const int q = q0 + u * kConsumerWarps;
+#pragma unroll
+      for (int g = 0; g < kGroupSize; ++g) {
+        if (q < n) {
+          o[u][g] = __ldcg(part + int64_t{q} * kSlotVecs + g * 32);
+          ls[u][g] = __ldcg(part_lse + q * kGroupSize + g);
+        } else {
+          o[u][g] = make_float4(0.f, 0.f, 0.f, 0.f);
+          ls[u][g] = -INFINITY;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kRound; ++u) {
+#pragma unroll
+      for (int g = 0; g < kGroupSize; ++g) {
+        const float m_new = fmaxf(m[g], ls[u][g]);
+        if (m_new == -INFINITY) continue;  // only padding so far
+        const float a = ptx::Exp2(m[g] - m_new);
+        const float b = ptx::Exp2(ls[u][g] - m_new);
+        l[g] = l[g] * a + b;
+        acc[g].x = acc[g].x * a + b * o[u][g].x;
+        acc[g].y = acc[g].y * a + b * o[u][g].y;
+        acc[g].z = acc[g].z * a + b * o[u][g].z;
+        acc[g].w = acc[g].w * a + b * o[u][g].w;
+        m[g] = m_new;
+      }
     }
   }
 #pragma unroll
   for (int g = 0; g < kGroupSize; ++g) {
     *reinterpret_cast<float4*>(&s.scratch_o[warp][g][4 * lane]) = acc[g];
+    if (lane == 0) {
+      s.scratch_m[warp][g] = m[g];
+      s.scratch_l[warp][g] = l[g];
+    }
   }
   ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
-  const int tid = warp * 32 + lane;
-#pragma unroll
-  for (int g = 0; g < kGroupSize; ++g) {
-    float v = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kConsumerWarps; ++w) v += s.scratch_o[w][g][tid];
-    p.output[(row0 + g) * kHeadDim + tid] = ToBf16(v);
-  }
-  ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
+  CombineWarpsToOutput(p, s, row0, warp * 32 + lane);
 }
 
 // End of an item: combine the 4 warps, then write the output or a partial result.
@@ -383,15 +394,17 @@ __device__ void Finalize(const KernelParams& p, SharedStorage& s, const WorkItem
 #pragma unroll
     for (int h = 0; h < kGroupSize; ++h) p.part_lse[it.slot * kGroupSize + h] = lse2[h];
   }
-  __threadfence();
+  // The barrier orders every thread's partial stores before thread 0's release fence
+  // (cumulativity), so one fence publishes them all before the counter moves.
   ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
   if (tid == 0) {
     const int pieces = __ldg(&p.groups[it.group].num_pieces);
+    __threadfence();
     const int prev = atomicAdd(&p.counters[it.group], 1);
     const int last = prev == pieces - 1;
     if (last) {
+      __threadfence();           // acquire: the other pieces' stores are visible from here
       p.counters[it.group] = 0;  // every piece has arrived: ready for the next launch
-      __threadfence();
     }
     s.is_last = last;
   }
@@ -419,8 +432,10 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, const WorkItem&
   int stage = 0;
   uint32_t phase = 0;
   bool first_wait = true;
+  WorkItem next = head;
   for (int i = 0; i < count; ++i) {
-    const WorkItem it = ItemAt(p, head, i);
+    const WorkItem it = next;
+    if (i + 1 < count) next = ItemAt(p, head, i + 1);  // in flight while this item runs
     const int seq = it.seq_head / kNumKvHeads;
     const int kvh = it.seq_head % kNumKvHeads;
     const int64_t row0 = int64_t{seq} * kNumQoHeads + kvh * kGroupSize;

@@ -45,7 +45,7 @@ enum class CudaLoadPath {
 
 // Benchmarking aids; leave them at their defaults in production.
 struct CudaDecoderTuning {
-  int32_t tma_l2_promotion_bytes = 256;  // L2 fetch granule of the TMA copies: 0, 64, 128, 256
+  int32_t tma_l2_promotion_bytes = 128;  // L2 fetch granule of the TMA copies: 0, 64, 128, 256
   bool skip_attention = false;           // move every page but skip the math (garbage outputs)
 };
 
