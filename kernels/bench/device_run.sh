@@ -43,7 +43,7 @@ fi
 if has sanitizer; then
   echo "== sanitizer"
   for tool in memcheck racecheck; do
-    timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 \
+    timeout 100 compute-sanitizer --tool $tool --error-exitcode 9 \
       "$BIN/pagedattn_kernel_gpu_test" --gtest_filter="$SMALL" > "$OUT/sanitizer_$tool.log" 2>&1
     echo "$tool rc=$?" | tee -a "$OUT/sanitizer_$tool.log"
     tail -4 "$OUT/sanitizer_$tool.log"
