@@ -1,0 +1,265 @@
+#include "client/loadgen/report.h"
+
+#include <cmath>
+#include <initializer_list>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+
+namespace pagedattn::loadgen {
+namespace {
+
+// K and V of one token at one layer: 4 heads x 128 x 2 bytes, twice.
+constexpr int64_t kKvBytesPerToken = 2 * kKvRowBytes;
+
+Json StatsToJson(const v1::GetStatsResponse& s) {
+  Json j = Json::Object();
+  j.Set("pages_total", s.pages_total());
+  j.Set("pages_free", s.pages_free());
+  j.Set("sequences", s.sequences());
+  j.Set("tokens", s.tokens());
+  j.Set("batches", s.batches());
+  j.Set("decoded_sequences", s.decoded_sequences());
+  j.Set("healthy", s.healthy());
+  return j;
+}
+
+double Get(const Json& j, std::initializer_list<absl::string_view> path) {
+  const Json* at = &j;
+  for (absl::string_view key : path) {
+    at = at->Find(key);
+    if (at == nullptr) return NAN;
+  }
+  return at->type() == Json::Type::kNumber ? at->number() : NAN;
+}
+
+// The server's breakdown over the timed phase, from two scrapes.
+Json ServerBreakdown(const Scrape& before, const Scrape& after) {
+  Json j = Json::Object();
+  j.Set("queue_duration", HistogramToJson(Subtract(GetHistogram(after, "pagedattn_queue_duration_seconds"),
+                                                   GetHistogram(before, "pagedattn_queue_duration_seconds")),
+                                          1e6, "_us"));
+  j.Set("kernel_duration", HistogramToJson(Subtract(GetHistogram(after, "pagedattn_kernel_duration_seconds"),
+                                                    GetHistogram(before, "pagedattn_kernel_duration_seconds")),
+                                           1e6, "_us"));
+  j.Set("batch_size", HistogramToJson(Subtract(GetHistogram(after, "pagedattn_batch_size"),
+                                               GetHistogram(before, "pagedattn_batch_size"))));
+  Json by_method = Json::Object();
+  for (const char* method : {"Decode", "DecodeStream", "AppendKV"}) {
+    const Histogram d = Subtract(GetHistogram(after, "pagedattn_request_duration_seconds", {{"method", method}}),
+                                 GetHistogram(before, "pagedattn_request_duration_seconds", {{"method", method}}));
+    if (d.count > 0) by_method.Set(method, HistogramToJson(d, 1e6, "_us"));
+  }
+  j.Set("request_duration", std::move(by_method));
+  j.Set("requests_total", CounterDeltas(after, before, "pagedattn_requests_total"));
+  j.Set("rejected_requests_total", CounterDeltas(after, before, "pagedattn_rejected_requests_total"));
+  return j;
+}
+
+}  // namespace
+
+Json BuildResult(const RunFacts& f, RunState& state) {
+  const LoadGenOptions& o = *f.options;
+  const v1::GetModelConfigResponse* config = &f.config;
+  const int64_t n = f.num_sequences;
+  const int64_t prefill_tokens = f.prefill_tokens, min_len = f.prefill_min, max_len = f.prefill_max;
+  const int32_t chunk = f.prefill_chunk_tokens;
+  const double fill_seconds = f.fill_seconds, elapsed = f.elapsed;
+  const int64_t fill_bytes = f.fill_bytes;
+  Json open_stats = f.open_loop;
+  const v1::GetStatsResponse& stats_before = f.stats_before;
+  const v1::GetStatsResponse& stats_after = f.stats_after;
+  const bool want_metrics = f.metrics_wanted;
+  const std::string& metrics_error = f.metrics_error;
+  const Scrape& before = f.metrics_before;
+  const Scrape& after = f.metrics_after;
+
+  Json result = Json::Object();
+  result.Set("schema", "pagedattn-loadgen/1");
+  Json cfg = Json::Object();
+  cfg.Set("mode", o.mode);
+  cfg.Set("api", o.api);
+  cfg.Set("concurrency", o.concurrency);
+  cfg.Set("batch_size", o.batch_size);
+  cfg.Set("num_sequences", n);
+  cfg.Set("num_layers", state.num_layers);
+  cfg.Set("decode_kv", o.decode_kv);
+  Json len = Json::Object();
+  len.Set("distribution", o.lengths.distribution);
+  if (o.lengths.distribution == "fixed") len.Set("context_len", o.lengths.fixed_len);
+  if (o.lengths.distribution == "uniform") {
+    len.Set("min", o.lengths.min_len);
+    len.Set("max", o.lengths.max_len);
+  }
+  if (o.lengths.distribution == "workload") {
+    len.Set("file", o.lengths.workload_file.empty() ? DefaultWorkloadFile() : o.lengths.workload_file);
+    Json names = Json::Array();
+    for (const std::string& name : o.lengths.shape_names) names.Push(name);
+    len.Set("shapes", std::move(names));
+    len.Set("order", o.lengths.workload_order);
+  }
+  cfg.Set("lengths", std::move(len));
+  cfg.Set("duration_s", o.steps > 0 ? Json() : Json(absl::ToDoubleSeconds(o.duration)));
+  cfg.Set("steps_per_batch", o.steps);
+  cfg.Set("warmup_steps_per_batch", o.warmup_steps);
+  if (o.mode == "open") {
+    cfg.Set("rate_per_s", o.rate);
+    cfg.Set("arrival", o.arrival);
+  }
+  if (o.api == "stream") cfg.Set("stream_in_flight", o.stream_in_flight);
+  cfg.Set("prefill_chunk_tokens", chunk);
+  cfg.Set("seed", o.seed);
+  Json server_cfg = Json::Object();
+  server_cfg.Set("backend", config->backend());
+  server_cfg.Set("num_layers", config->num_layers());
+  server_cfg.Set("num_pages", config->num_pages());
+  server_cfg.Set("max_batch_size", config->max_batch_size());
+  server_cfg.Set("max_message_bytes", config->max_message_bytes());
+  cfg.Set("server", std::move(server_cfg));
+  result.Set("config", std::move(cfg));
+
+  Json ctx = Json::Object();
+  ctx.Set("sequences", n);
+  ctx.Set("prefill_tokens_total", prefill_tokens);
+  ctx.Set("prefill_tokens_min", min_len);
+  ctx.Set("prefill_tokens_mean", static_cast<double>(prefill_tokens) / static_cast<double>(n));
+  ctx.Set("prefill_tokens_max", max_len);
+  result.Set("context", std::move(ctx));
+
+  Json fill = Json::Object();
+  fill.Set("seconds", fill_seconds);
+  fill.Set("kv_bytes", fill_bytes);
+  fill.Set("kv_gb_per_s", fill_seconds > 0 ? static_cast<double>(fill_bytes) / fill_seconds / 1e9 : 0.0);
+  result.Set("fill", std::move(fill));
+
+  const int64_t requests = state.requests_ok.load();
+  const int64_t seq_decodes = state.sequence_decodes.load();
+  const int64_t steps = state.steps_done.load();
+  const int64_t attended = state.attended_tokens.load();
+  const double kv_bytes = static_cast<double>(attended) * kKvBytesPerToken;
+  Json run = Json::Object();
+  run.Set("elapsed_s", elapsed);
+  run.Set("steps", steps);
+  run.Set("decode_requests", requests);
+  run.Set("sequence_decodes", seq_decodes);
+  run.Set("mean_context_tokens", seq_decodes > 0 ? static_cast<double>(attended) / static_cast<double>(seq_decodes) : 0.0);
+  run.Set("kv_bytes_read", kv_bytes);
+  {
+    absl::MutexLock lock(&state.mu);
+    Json errors = Json::Object();
+    for (const auto& [code, count] : state.errors) errors.Set(code, count);
+    run.Set("errors", std::move(errors));
+    Json retired = Json::Array();
+    for (const std::string& why : state.retired) retired.Push(why);
+    run.Set("retired_batches", std::move(retired));
+  }
+  if (o.mode == "open") run.Set("open_loop", std::move(open_stats));
+  result.Set("run", std::move(run));
+
+  Json tp = Json::Object();
+  tp.Set("sequence_decodes_per_s", elapsed > 0 ? seq_decodes / elapsed : 0.0);
+  tp.Set("tokens_per_s", elapsed > 0 ? static_cast<double>(steps) * o.batch_size / elapsed : 0.0);
+  tp.Set("requests_per_s", elapsed > 0 ? requests / elapsed : 0.0);
+  tp.Set("steps_per_s", elapsed > 0 ? steps / elapsed : 0.0);
+  tp.Set("kv_gb_per_s", elapsed > 0 ? kv_bytes / elapsed / 1e9 : 0.0);
+  result.Set("throughput", std::move(tp));
+
+  {
+    absl::MutexLock lock(&state.mu);
+    result.Set("latency", state.samples.ToJson());
+  }
+
+  Json server = Json::Object();
+  Json stats_delta = Json::Object();
+  const int64_t batches = stats_after.batches() - stats_before.batches();
+  const int64_t decoded = stats_after.decoded_sequences() - stats_before.decoded_sequences();
+  stats_delta.Set("batches", batches);
+  stats_delta.Set("decoded_sequences", decoded);
+  stats_delta.Set("mean_batch_size", batches > 0 ? static_cast<double>(decoded) / static_cast<double>(batches) : 0.0);
+  server.Set("stats_delta", std::move(stats_delta));
+  server.Set("stats_after", StatsToJson(stats_after));
+  if (!want_metrics) {
+    server.Set("metrics", Json());
+  } else if (!metrics_error.empty()) {
+    Json m = Json::Object();
+    m.Set("error", metrics_error);
+    server.Set("metrics", std::move(m));
+  } else {
+    Json m = ServerBreakdown(before, after);
+    m.Set("address", o.metrics_address);
+    server.Set("metrics", std::move(m));
+  }
+  result.Set("server", std::move(server));
+
+  // The figures, derived.
+  Json derived = Json::Object();
+  const Json* srv = result.Find("server");
+  const double kernel_mean_us = Get(*srv, {"metrics", "kernel_duration", "mean_us"});
+  const double kernel_sum_us = Get(*srv, {"metrics", "kernel_duration", "sum_us"});
+  const char* rpc = o.api == "stream" ? "DecodeStream" : "Decode";
+  const double p50_us = Get(result, {"latency", rpc, "p50_us"});
+  const double mean_us = Get(result, {"latency", rpc, "mean_us"});
+  const double server_mean_us = Get(*srv, {"metrics", "request_duration", rpc, "mean_us"});
+  const double kernel_alone = kernel_sum_us > 0 ? static_cast<double>(decoded) / (kernel_sum_us * 1e-6) : NAN;
+  const double measured = elapsed > 0 ? seq_decodes / elapsed : 0.0;
+  const double kernel_p50_us = Get(*srv, {"metrics", "kernel_duration", "p50_us"});
+  derived.Set("kernel_mean_us", kernel_mean_us);
+  derived.Set("request_p50_minus_kernel_mean_us", p50_us - kernel_mean_us);
+  // The kernel's p50 comes from its histogram buckets (three per decade): coarse.
+  derived.Set("request_p50_minus_kernel_p50_us", p50_us - kernel_p50_us);
+  derived.Set("server_request_mean_minus_kernel_mean_us", server_mean_us - kernel_mean_us);
+  derived.Set("request_mean_over_kernel_mean", mean_us / kernel_mean_us);
+  derived.Set("server_request_mean_over_kernel_mean", server_mean_us / kernel_mean_us);
+  derived.Set("kernel_alone_sequence_decodes_per_s", kernel_alone);
+  derived.Set("throughput_over_kernel_alone", measured / kernel_alone);
+  derived.Set("kernel_kv_gb_per_s", kernel_sum_us > 0 ? kv_bytes / (kernel_sum_us * 1e-6) / 1e9 : NAN);
+  result.Set("derived", std::move(derived));
+
+  if (f.check_enabled) {
+    result.Set("check", f.check_result.ToJson(f.check_options));
+  } else {
+    Json off = Json::Object();
+    off.Set("enabled", false);
+    result.Set("check", std::move(off));
+  }
+  return result;
+}
+
+std::string FormatSummary(const Json& r) {
+  const Json* cfg = r.Find("config");
+  const std::string api = cfg != nullptr && cfg->Find("api") != nullptr ? cfg->Find("api")->string() : "unary";
+  const char* rpc = api == "stream" ? "DecodeStream" : "Decode";
+  std::string out = absl::StrFormat(
+      "batch %.0f x %.0f callers, context %.0f tokens (mean during decode), %.0f layer(s): %.0f steps in %.2f s\n"
+      "  throughput: %.1f sequence-decodes/s, %.1f tokens/s, %.2f GB/s of KV read\n"
+      "  %s latency: p50 %.1f us, p90 %.1f us, p99 %.1f us; step p50 %.1f us\n",
+      Get(r, {"config", "batch_size"}), Get(r, {"config", "concurrency"}), Get(r, {"run", "mean_context_tokens"}),
+      Get(r, {"config", "num_layers"}), Get(r, {"run", "steps"}), Get(r, {"run", "elapsed_s"}),
+      Get(r, {"throughput", "sequence_decodes_per_s"}), Get(r, {"throughput", "tokens_per_s"}),
+      Get(r, {"throughput", "kv_gb_per_s"}), rpc, Get(r, {"latency", rpc, "p50_us"}),
+      Get(r, {"latency", rpc, "p90_us"}), Get(r, {"latency", rpc, "p99_us"}), Get(r, {"latency", "step", "p50_us"}));
+  const double kernel = Get(r, {"derived", "kernel_mean_us"});
+  if (std::isfinite(kernel)) {
+    out += absl::StrFormat(
+        "  server: kernel mean %.1f us, queue mean %.1f us, batch size mean %.1f; request p50 - kernel = %.1f us, "
+        "request/kernel = %.2fx, throughput/kernel-alone = %.2f\n",
+        kernel, Get(r, {"server", "metrics", "queue_duration", "mean_us"}),
+        Get(r, {"server", "metrics", "batch_size", "mean"}), Get(r, {"derived", "request_p50_minus_kernel_mean_us"}),
+        Get(r, {"derived", "request_mean_over_kernel_mean"}), Get(r, {"derived", "throughput_over_kernel_alone"}));
+  } else {
+    out += absl::StrFormat("  server: %.0f batches, mean batch size %.1f (no metrics endpoint read)\n",
+                           Get(r, {"server", "stats_delta", "batches"}),
+                           Get(r, {"server", "stats_delta", "mean_batch_size"}));
+  }
+  const Json* check = r.Find("check");
+  const Json* enabled = check != nullptr ? check->Find("enabled") : nullptr;
+  if (enabled != nullptr && enabled->boolean()) {
+    out += absl::StrFormat("  check: %s, %.0f decodes of %.0f sequences, max output rel L2 %.3g, max lse error %.3g\n",
+                           check->Find("passed") != nullptr && check->Find("passed")->boolean() ? "PASS" : "FAIL",
+                           Get(r, {"check", "decodes_checked"}), Get(r, {"check", "sequences"}),
+                           Get(r, {"check", "max_output_rel_l2"}), Get(r, {"check", "max_lse_abs_err"}));
+  }
+  return out;
+}
+
+}  // namespace pagedattn::loadgen
