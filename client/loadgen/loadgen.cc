@@ -266,7 +266,6 @@ absl::StatusOr<Json> RunLoad(const LoadGenOptions& o, client::Client* client, st
   if (o.release) ReleaseAll(state);
   if (!ran.ok()) return ran;
 
-
   RunFacts facts;
   facts.options = &o;
   facts.config = *config;
