@@ -18,10 +18,10 @@ absl::StatusOr<std::unique_ptr<ThreadPool>> ThreadPool::Create(const Options& op
 
 ThreadPool::~ThreadPool() {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
-    work_cv_.SignalAll();
   }
+  work_cv_.notify_all();
   for (std::thread& t : workers_) t.join();
 }
 
@@ -37,15 +37,15 @@ void ThreadPool::WorkerMain() {
   while (true) {
     Loop* loop;
     {
-      absl::MutexLock lock(&mu_);
-      while (!stop_ && generation_ == seen) work_cv_.Wait(&mu_);
+      std::unique_lock<std::mutex> lock(mu_);
+      work_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
       if (stop_) return;
       seen = generation_;
       loop = loop_;
     }
     RunShare(loop);
-    absl::MutexLock lock(&mu_);
-    if (--busy_workers_ == 0) done_cv_.Signal();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--busy_workers_ == 0) done_cv_.notify_one();
   }
 }
 
@@ -55,19 +55,19 @@ void ThreadPool::ParallelFor(int64_t n, absl::FunctionRef<void(int64_t)> fn) {
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
-  absl::MutexLock call_lock(&call_mu_);
+  std::lock_guard<std::mutex> call_lock(call_mu_);
   Loop loop{fn, n};
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     loop_ = &loop;
     busy_workers_ = static_cast<int32_t>(workers_.size());
     ++generation_;
-    work_cv_.SignalAll();
   }
+  work_cv_.notify_all();
   RunShare(&loop);
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   // Every worker must have left RunShare before `loop` goes out of scope.
-  while (busy_workers_ > 0) done_cv_.Wait(&mu_);
+  done_cv_.wait(lock, [this] { return busy_workers_ == 0; });
   loop_ = nullptr;
 }
 

@@ -6,15 +6,16 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 
 namespace pagedattn {
 
@@ -42,10 +43,10 @@ class ThreadPool {
   void WorkerMain();
   static void RunShare(Loop* loop);
 
-  absl::Mutex call_mu_;  // serializes ParallelFor calls
-  absl::Mutex mu_;
-  absl::CondVar work_cv_;
-  absl::CondVar done_cv_;
+  std::mutex call_mu_;  // serializes ParallelFor calls
+  std::mutex mu_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
   Loop* loop_ ABSL_GUARDED_BY(mu_) = nullptr;
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   int32_t busy_workers_ ABSL_GUARDED_BY(mu_) = 0;

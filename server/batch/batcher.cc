@@ -22,7 +22,7 @@ absl::Status Batcher::Enqueue(std::unique_ptr<BatchItem>* item) {
                                                    " sequences; max_batch_size is ",
                                                    options_.max_batch_size));
   }
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   if (closed_) return absl::UnavailableError("shutting down");
   if (static_cast<int64_t>(queue_.size()) >= options_.max_queue_depth) {
     return absl::UnavailableError(
@@ -30,7 +30,7 @@ absl::Status Batcher::Enqueue(std::unique_ptr<BatchItem>* item) {
   }
   (*item)->enqueue_time = options_.clock->Now();
   queue_.push_back(std::move(*item));
-  cv_.Signal();
+  cv_.notify_one();
   return absl::OkStatus();
 }
 
@@ -70,47 +70,46 @@ Batcher::Batch Batcher::PopLocked(size_t n) {
 }
 
 Batcher::Batch Batcher::NextBatch() {
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     if (queue_.empty()) {
       if (closed_) return {};
-      cv_.Wait(&mu_);
+      cv_.wait(lock);
       continue;
     }
     bool can_grow;
     const size_t n = PrefixLocked(&can_grow);
     if (ReadyLocked(can_grow)) return PopLocked(n);
-    options_.clock->WaitUntil(&cv_, &mu_,
-                              queue_.front()->enqueue_time + options_.max_queue_delay);
+    options_.clock->WaitUntil(cv_, lock, queue_.front()->enqueue_time + options_.max_queue_delay);
   }
 }
 
 Batcher::Batch Batcher::TryNextBatch() {
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   bool can_grow;
   const size_t n = PrefixLocked(&can_grow);
   return ReadyLocked(can_grow) ? PopLocked(n) : Batch{};
 }
 
 Batcher::Batch Batcher::TakeAvailable() {
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   bool can_grow;
   return PopLocked(PrefixLocked(&can_grow));
 }
 
 void Batcher::Close() {
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   closed_ = true;
-  cv_.SignalAll();
+  cv_.notify_all();
 }
 
 bool Batcher::closed() const {
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   return closed_;
 }
 
 int64_t Batcher::depth() const {
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   return static_cast<int64_t>(queue_.size());
 }
 

@@ -9,15 +9,16 @@
 // Thread-safe. Enqueue never blocks.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/batch/clock.h"
 
@@ -72,8 +73,8 @@ class Batcher {
   Batch PopLocked(size_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
-  mutable absl::Mutex mu_;
-  absl::CondVar cv_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
   std::deque<std::unique_ptr<BatchItem>> queue_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
 };

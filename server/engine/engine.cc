@@ -5,13 +5,13 @@
 #include <cstring>
 #include <deque>
 #include <limits>
+#include <mutex>
 #include <thread>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "pagedattn/kernels/decode.h"
 #include "server/backend/backend.h"
@@ -121,7 +121,7 @@ class Engine::Impl {
   std::unique_ptr<Batcher> batcher_;
   std::unique_ptr<Planner> planner_;
 
-  mutable absl::Mutex state_mu_;
+  mutable std::mutex state_mu_;
   std::unique_ptr<BlockAllocator> allocator_ ABSL_GUARDED_BY(state_mu_);
   std::unique_ptr<SequenceTable> table_ ABSL_GUARDED_BY(state_mu_);
 
@@ -130,11 +130,11 @@ class Engine::Impl {
   std::atomic<int64_t> decoded_sequences_{0};
   std::atomic<bool> healthy_{true};
 
-  mutable absl::Mutex mu_;
+  mutable std::mutex mu_;
   absl::Status health_ ABSL_GUARDED_BY(mu_);
   absl::Time drain_deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
 
-  absl::Mutex shutdown_mu_;  // held for the whole of Shutdown
+  std::mutex shutdown_mu_;  // held for the whole of Shutdown
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
   std::thread executor_;
 };
@@ -166,7 +166,7 @@ absl::Status Engine::Impl::Init() {
   }
   planner_ = std::move(*planner);
   batcher_ = std::move(*batcher);
-  absl::MutexLock lock(&state_mu_);
+  std::lock_guard<std::mutex> lock(state_mu_);
   allocator_ = std::move(*allocator);
   table_ = std::move(*table);
   PublishPoolLocked();
@@ -193,7 +193,7 @@ ModelConfig Engine::Impl::config() const {
 EngineStats Engine::Impl::GetStats() const {
   EngineStats s;
   {
-    absl::MutexLock lock(&state_mu_);
+    std::lock_guard<std::mutex> lock(state_mu_);
     s.pages_total = allocator_->num_pages();
     s.pages_free = allocator_->num_free();
     s.sequences = table_->num_sequences();
@@ -207,13 +207,13 @@ EngineStats Engine::Impl::GetStats() const {
 }
 
 absl::Status Engine::Impl::health() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return health_;
 }
 
 void Engine::Impl::MarkUnhealthy(const absl::Status& error) {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (health_.ok()) {
       health_ = absl::InternalError(absl::StrCat("backend error: ", error.message()));
     }
@@ -234,7 +234,7 @@ void Engine::Impl::PublishQueueDepth() {
 
 absl::Status Engine::Impl::CreateSequence(uint64_t id) {
   if (shutting_down_.load()) return absl::UnavailableError("shutting down");
-  absl::MutexLock lock(&state_mu_);
+  std::lock_guard<std::mutex> lock(state_mu_);
   absl::Status s = table_->Add(id);
   if (s.ok()) PublishPoolLocked();
   return s;
@@ -242,7 +242,7 @@ absl::Status Engine::Impl::CreateSequence(uint64_t id) {
 
 absl::Status Engine::Impl::ForkSequence(uint64_t parent, uint64_t child) {
   if (shutting_down_.load()) return absl::UnavailableError("shutting down");
-  absl::MutexLock lock(&state_mu_);
+  std::lock_guard<std::mutex> lock(state_mu_);
   absl::Status s = table_->Fork(parent, child);
   if (s.ok()) PublishPoolLocked();
   return s;
@@ -250,7 +250,7 @@ absl::Status Engine::Impl::ForkSequence(uint64_t parent, uint64_t child) {
 
 absl::Status Engine::Impl::ReleaseSequence(uint64_t id) {
   // Releasing stays possible while shutting down: it only returns pages.
-  absl::MutexLock lock(&state_mu_);
+  std::lock_guard<std::mutex> lock(state_mu_);
   absl::Status s = table_->Remove(id);
   if (s.ok()) PublishPoolLocked();
   return s;
@@ -405,12 +405,12 @@ void Engine::Impl::Prepare(InFlight* in) {
   }
   absl::Time drain_deadline;
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     drain_deadline = drain_deadline_;
   }
   const bool healthy = healthy_.load();
   {
-    absl::MutexLock lock(&state_mu_);
+    std::lock_guard<std::mutex> lock(state_mu_);
     for (auto& item : in->items) {
       if (!healthy) {
         item->status = absl::InternalError("the backend failed earlier; the engine is unhealthy");
@@ -541,10 +541,10 @@ void Engine::Impl::Finish(InFlight* in) {
 }
 
 void Engine::Impl::Shutdown(absl::Duration drain_timeout) {
-  absl::MutexLock lock(&shutdown_mu_);
+  std::lock_guard<std::mutex> lock(shutdown_mu_);
   if (shut_down_) return;
   {
-    absl::MutexLock l(&mu_);
+    std::lock_guard<std::mutex> l(mu_);
     drain_deadline_ = absl::Now() + std::max(drain_timeout, absl::ZeroDuration());
   }
   shutting_down_.store(true);

@@ -5,8 +5,7 @@
 #include <thread>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
+#include <mutex>
 #include "gtest/gtest.h"
 #include "prometheus/metric_family.h"
 #include "server/engine/engine.h"
@@ -20,6 +19,7 @@ namespace k = kernels;
 using testing::AppendSync;
 using testing::DecodeSync;
 using testing::MakeCpuEngine;
+using testing::Event;
 using testing::Model;
 
 // Many threads, each with its own sequences, decode steps concurrently; every result matches
@@ -71,11 +71,11 @@ TEST(EngineConcurrencyTest, ConcurrentCallersShareBatchesAndGetCorrectResults) {
 
 // Blocks the executor inside a callback so that the test controls the queue.
 struct ExecutorBlocker {
-  absl::Notification entered, release;
+  Event entered, release;
   Engine::DecodeDone Callback() {
     return [this](absl::StatusOr<DecodeOutput>) {
       entered.Notify();
-      release.WaitForNotification();
+      release.Wait();
     };
   }
 };
@@ -95,7 +95,7 @@ TEST(EngineConcurrencyTest, QueuedRequestsFromManyThreadsShareOneLaunch) {
   }
   ExecutorBlocker blocker;
   engine->Decode(models[0].MakeDecode({0}, 0, false), blocker.Callback());
-  blocker.entered.WaitForNotification();
+  blocker.entered.Wait();
   const int64_t batches_before = engine->GetStats().batches;
   std::vector<DecodeWork> works(kThreads);
   std::vector<absl::StatusOr<DecodeOutput>> results(kThreads, absl::UnknownError("not run"));
@@ -134,7 +134,7 @@ TEST(EngineConcurrencyTest, FullQueueIsUnavailableAtOnce) {
   ASSERT_TRUE(AppendSync(*engine, model.MakeAppend(1, 0, 10)).ok());
   ExecutorBlocker blocker;
   engine->Decode(model.MakeDecode({1}, 0, false), blocker.Callback());
-  blocker.entered.WaitForNotification();
+  blocker.entered.Wait();
   std::vector<absl::StatusOr<DecodeOutput>> results(2, absl::UnknownError("not run"));
   std::vector<DecodeWork> queued;
   for (int i = 0; i < 2; ++i) {
@@ -181,7 +181,7 @@ TEST(EngineConcurrencyTest, ShutdownDrainsQueuedWork) {
   ASSERT_TRUE(AppendSync(*engine, model.MakeAppend(1, 0, 5)).ok());
   ExecutorBlocker blocker;
   engine->Decode(model.MakeDecode({1}, 0, false), blocker.Callback());
-  blocker.entered.WaitForNotification();
+  blocker.entered.Wait();
   constexpr int kQueued = 7;
   std::vector<DecodeWork> works;
   std::vector<absl::StatusOr<DecodeOutput>> results(kQueued, absl::UnknownError("not run"));
@@ -218,7 +218,7 @@ TEST(EngineConcurrencyTest, ShutdownPastTheDrainTimeoutFailsWhatIsLeft) {
   model.Create(1);
   ExecutorBlocker blocker;
   engine->Decode(model.MakeDecode({1}, 0, false), blocker.Callback());
-  blocker.entered.WaitForNotification();
+  blocker.entered.Wait();
   std::atomic<int> unavailable{0};
   for (int i = 0; i < 5; ++i) {
     engine->Append(model.MakeAppend(1, 0, 1), [&](absl::StatusOr<int64_t> r) {
@@ -259,7 +259,7 @@ class DeferredBackend final : public Backend {
   absl::Status Init(const PoolShape& shape) override { return cpu_->Init(shape); }
   int32_t max_in_flight() const override { return in_flight_; }
   absl::Status Launch(BackendBatch* batch) override {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (launches_++ == fail_at_launch_) return absl::InternalError("injected device error");
     outstanding_.push_back(batch);
     if (static_cast<int32_t>(outstanding_.size()) > in_flight_) violations_++;
@@ -267,7 +267,7 @@ class DeferredBackend final : public Backend {
     return absl::OkStatus();
   }
   absl::Status Wait(BackendBatch* batch) override {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (outstanding_.empty() || outstanding_.front() != batch) {
       violations_++;
       return absl::InternalError("Wait out of order");
@@ -278,11 +278,11 @@ class DeferredBackend final : public Backend {
     return cpu_->Wait(batch);
   }
   int peak() {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     return peak_;
   }
   int violations() {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     return violations_;
   }
 
@@ -290,7 +290,7 @@ class DeferredBackend final : public Backend {
   std::unique_ptr<CpuBackend> cpu_;
   const int32_t in_flight_;
   const int fail_at_launch_;
-  absl::Mutex mu_;
+  std::mutex mu_;
   std::deque<BackendBatch*> outstanding_ ABSL_GUARDED_BY(mu_);
   int launches_ ABSL_GUARDED_BY(mu_) = 0;
   int peak_ ABSL_GUARDED_BY(mu_) = 0;
@@ -318,19 +318,19 @@ TEST(EngineConcurrencyTest, PipelinedBackendKeepsTwoBatchesInFlightInOrder) {
       constexpr int kSteps = 8;
       std::vector<DecodeWork> works;
       for (int s = 0; s < kSteps; ++s) works.push_back(model.MakeDecode({id}, 0, true));
-      absl::Mutex mu;
+      std::mutex mu;
       std::vector<uint64_t> order;
       std::vector<absl::StatusOr<DecodeOutput>> results(kSteps, absl::UnknownError(""));
-      absl::Notification all;
+      Event all;
       for (int s = 0; s < kSteps; ++s) {
         engine->Decode(works[s], [&, s](absl::StatusOr<DecodeOutput> r) {
-          absl::MutexLock lock(&mu);
+          std::lock_guard<std::mutex> lock(mu);
           order.push_back(s);
           results[s] = std::move(r);
           if (order.size() == kSteps) all.Notify();
         });
       }
-      all.WaitForNotification();
+      all.Wait();
       for (int s = 0; s < kSteps; ++s) {
         if (order[s] != static_cast<uint64_t>(s)) ++failures;
         if (!results[s].ok()) {

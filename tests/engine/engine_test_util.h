@@ -3,19 +3,41 @@
 // against the float64 reference.
 #pragma once
 
+#include <condition_variable>
 #include <future>
+#include <mutex>
 #include <map>
 #include <random>
 #include <string>
 #include <vector>
 
-#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "server/backend/cpu_backend.h"
 #include "server/engine/engine.h"
 #include "tests/backend/test_util.h"
 
 namespace pagedattn::testing {
+
+// A one-shot event on std::mutex (visible to ThreadSanitizer, unlike the distribution's
+// uninstrumented absl::Notification).
+class Event {
+ public:
+  // Notifies under the lock: a waiter may destroy the Event as soon as it sees it set.
+  void Notify() {
+    std::lock_guard<std::mutex> lock(mu_);
+    set_ = true;
+    cv_.notify_all();
+  }
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return set_; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool set_ = false;
+};
 
 inline const float kDefaultScale = 1.0f / std::sqrt(128.0f);
 

@@ -1,0 +1,501 @@
+#include "server/backend/cuda_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "pagedattn/kernels/cuda_decode.h"
+#include "pagedattn/kernels/decode.h"
+#include "pagedattn/kernels/decode_plan.h"
+#include "pagedattn/kernels/kv_write.h"
+#include "server/backend/cuda_staging.h"
+
+namespace pagedattn {
+
+namespace k = kernels;
+
+namespace {
+
+constexpr int32_t kMaxInFlight = 4;
+constexpr int64_t kPageBytes = k::kPageElems * sizeof(uint16_t);  // one page of K (or of V)
+constexpr int64_t kQueryBytes = k::kQueryElems * sizeof(uint16_t);
+constexpr int64_t kLseBytes = k::kNumQoHeads * sizeof(float);
+// Device memory PagesThatFit keeps back beyond what it counts exactly: per slot, the decoder's
+// tables and partial results (a few MB at 256 CTAs); once, what the runtime takes later
+// (kernel modules load lazily at first launch).
+constexpr int64_t kDecoderReserveBytes = int64_t{16} << 20;
+constexpr int64_t kRuntimeReserveBytes = int64_t{256} << 20;
+
+absl::Status CudaError(absl::string_view what, cudaError_t e) {
+  return absl::InternalError(
+      absl::StrCat(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
+}
+
+// Allocation failures are not sticky CUDA errors: clear them and say what did not fit.
+absl::Status AllocError(absl::string_view what, int64_t bytes, cudaError_t e) {
+  cudaGetLastError();
+  if (e == cudaErrorMemoryAllocation) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", what, " (", bytes,
+                                                     " bytes): ", cudaGetErrorString(e)));
+  }
+  return CudaError(absl::StrCat("allocating ", what), e);
+}
+
+absl::Status FromKernel(const k::KernelStatus& s) {
+  switch (s.code) {
+    case k::KernelCode::kOk:
+      return absl::OkStatus();
+    case k::KernelCode::kInvalidArgument:
+      return absl::InvalidArgumentError(s.message);
+    case k::KernelCode::kFailedPrecondition:
+      return absl::FailedPreconditionError(s.message);
+    case k::KernelCode::kResourceExhausted:
+      return absl::ResourceExhaustedError(s.message);
+    case k::KernelCode::kUnavailable:
+      return absl::UnavailableError(s.message);
+    case k::KernelCode::kInternal:
+      break;
+  }
+  return absl::InternalError(s.message);
+}
+
+// On the request path every failure is INTERNAL, whatever the kernel library calls it.
+absl::Status KernelFailure(const k::KernelStatus& s) {
+  return s.ok() ? absl::OkStatus() : absl::InternalError(s.message);
+}
+
+#define PA_CUDA_RETURN_IF_ERROR(expr)                          \
+  do {                                                         \
+    const cudaError_t pa_cuda_err_ = (expr);                   \
+    if (pa_cuda_err_ != cudaSuccess) return CudaError(#expr, pa_cuda_err_); \
+  } while (0)
+
+#define PA_RETURN_IF_ERROR(expr)                  \
+  do {                                            \
+    absl::Status pa_status_ = (expr);             \
+    if (!pa_status_.ok()) return pa_status_;      \
+  } while (0)
+
+// UNAVAILABLE without a device, INVALID_ARGUMENT for a bad ordinal, FAILED_PRECONDITION for a
+// device other than compute capability 9.0.
+absl::Status CheckDevice(int32_t device) {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    return absl::UnavailableError(
+        e != cudaSuccess ? absl::StrCat("no CUDA device: ", cudaGetErrorString(e))
+                         : std::string("no CUDA device"));
+  }
+  if (device < 0 || device >= count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CUDA device ", device, " does not exist (", count, " present)"));
+  }
+  int major = 0, minor = 0;
+  PA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  PA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (major != 9) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "CUDA device ", device, " has compute capability ", major, ".", minor,
+        "; the decode kernel is built for 9.0 (Hopper)"));
+  }
+  return absl::OkStatus();
+}
+
+// One in-flight batch's resources.
+struct Slot {
+  std::unique_ptr<k::CudaDecoder> decoder;
+  char* host_in = nullptr;   // pinned [ArenaBytes]: the rounds' inputs
+  char* dev_in = nullptr;    // device [ArenaBytes]
+  char* host_out = nullptr;  // pinned [OutputBytes]: output rows, then lse rows
+  char* dev_out = nullptr;   // device [OutputBytes]
+  cudaEvent_t staged = nullptr;  // a round's copy has left host_in
+  cudaEvent_t start = nullptr;   // around the attention, for kernel_seconds
+  cudaEvent_t stop = nullptr;
+  cudaEvent_t done = nullptr;    // the whole batch, outputs in host_out
+  BackendBatch* batch = nullptr; // launched, not yet waited
+  bool timed = false;            // start/stop recorded (the batch has attention)
+};
+
+}  // namespace
+
+int CudaDeviceCount() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  int usable = 0;
+  for (int d = 0; d < count; ++d) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) == cudaSuccess &&
+        major == 9) {
+      ++usable;
+    }
+  }
+  cudaGetLastError();
+  return usable;
+}
+
+struct CudaBackend::Impl {
+  Options options;
+  PoolShape shape;
+  bool init_called = false;
+  bool initialized = false;
+  int64_t pool_pages = 0;
+  StagingCapacity cap;
+  uint16_t* k_pool = nullptr;  // device [pool_pages, 64, 4, 128] bf16
+  uint16_t* v_pool = nullptr;
+  cudaStream_t stream = nullptr;
+  std::vector<Slot> slots;
+  int32_t next_launch = 0;
+  int32_t next_wait = 0;
+  int32_t in_flight = 0;
+  absl::Status failed;     // sticky: the first CUDA error
+  bool abandoned = false;  // a wait timed out: the device may never finish, so never block on it
+  std::vector<Round> rounds;            // scratch of Launch
+  std::vector<int32_t> rebased_indptr;  // scratch of Launch: [max_batch_size + 1]
+
+  ~Impl();
+  absl::Status Fail(absl::Status s) {
+    if (failed.ok()) failed = std::move(s);
+    return failed;
+  }
+  absl::Status Allocate();
+  absl::Status WaitEvent(cudaEvent_t event, absl::string_view what);
+  absl::Status Enqueue(Slot& slot, const BackendBatch& batch);
+};
+
+CudaBackend::Impl::~Impl() {
+  if (abandoned) {
+    // A kernel that never finished: freeing would synchronise with it and hang the exit.
+    for (Slot& slot : slots) (void)slot.decoder.release();
+    return;
+  }
+  cudaSetDevice(options.device);
+  if (stream != nullptr) cudaStreamSynchronize(stream);
+  // Release errors are ignored: nothing useful can be done with them here.
+  for (Slot& slot : slots) {
+    slot.decoder.reset();
+    if (slot.host_in != nullptr) cudaFreeHost(slot.host_in);
+    if (slot.dev_in != nullptr) cudaFree(slot.dev_in);
+    if (slot.host_out != nullptr) cudaFreeHost(slot.host_out);
+    if (slot.dev_out != nullptr) cudaFree(slot.dev_out);
+    for (cudaEvent_t e : {slot.staged, slot.start, slot.stop, slot.done}) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+  }
+  if (k_pool != nullptr) cudaFree(k_pool);
+  if (v_pool != nullptr) cudaFree(v_pool);
+  if (stream != nullptr) cudaStreamDestroy(stream);
+  cudaGetLastError();
+}
+
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Options& options) {
+  if (options.max_in_flight < 1 || options.max_in_flight > kMaxInFlight) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_in_flight must be in 1..", kMaxInFlight, ", got ", options.max_in_flight));
+  }
+  if (options.staged_tokens < 1) return absl::InvalidArgumentError("staged_tokens must be > 0");
+  if (options.num_ctas < 0 || options.num_ctas > k::kMaxPlanCtas) {
+    return absl::InvalidArgumentError(absl::StrCat("num_ctas must be in 0..", k::kMaxPlanCtas));
+  }
+  if (options.spin_wait_us < 0) return absl::InvalidArgumentError("spin_wait_us must be >= 0");
+  if (options.wait_timeout_ms <= 0) return absl::InvalidArgumentError("wait_timeout_ms must be > 0");
+  PA_RETURN_IF_ERROR(CheckDevice(options.device));
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  return std::unique_ptr<CudaBackend>(new CudaBackend(std::move(impl)));
+}
+
+absl::StatusOr<CudaBackend::MemoryFit> CudaBackend::PagesThatFit(const Options& options,
+                                                                 int32_t num_layers,
+                                                                 int32_t max_batch_size,
+                                                                 double fraction) {
+  if (!(fraction > 0.0 && fraction <= 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat("gpu memory fraction must be in (0, 1], got ", fraction));
+  }
+  if (num_layers <= 0 || max_batch_size <= 0) {
+    return absl::InvalidArgumentError("num_layers and max_batch_size must be > 0");
+  }
+  if (options.max_in_flight < 1 || options.max_in_flight > kMaxInFlight) {
+    return absl::InvalidArgumentError("max_in_flight out of range");
+  }
+  PA_RETURN_IF_ERROR(CheckDevice(options.device));
+  PA_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  size_t free_bytes = 0, total_bytes = 0;
+  PA_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+  // Staging that does not grow with the pool: the arena without kv_indices, and the outputs.
+  StagingCapacity fixed_cap = StagingCapacity::For(
+      {.num_layers = num_layers, .num_pages = 1, .max_batch_size = max_batch_size},
+      options.staged_tokens);
+  fixed_cap.max_kv_indices = 0;
+  const int64_t slots = options.max_in_flight;
+  const int64_t fixed = kRuntimeReserveBytes +
+                        slots * (fixed_cap.ArenaBytes() + RoundLayout::kAlignment +
+                                 fixed_cap.OutputBytes() + kDecoderReserveBytes);
+  // Per page of a layer: K and V in every layer, and the kv_indices capacity of every slot.
+  const int64_t per_page = int64_t{num_layers} * 2 * kPageBytes +
+                           slots * std::min(max_batch_size, num_layers) *
+                               static_cast<int64_t>(sizeof(int32_t));
+  MemoryFit fit;
+  fit.free_bytes = static_cast<int64_t>(free_bytes);
+  fit.total_bytes = static_cast<int64_t>(total_bytes);
+  fit.num_pages = pagedattn::PagesThatFit(static_cast<int64_t>(fraction * fit.free_bytes), fixed,
+                                          per_page, num_layers);
+  if (fit.num_pages <= 0) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "no KV page fits in ", fraction, " of the ", fit.free_bytes, " free bytes of device ",
+        options.device, " (", fixed, " bytes of staging and reserve)"));
+  }
+  return fit;
+}
+
+CudaBackend::CudaBackend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaBackend::~CudaBackend() = default;
+
+int32_t CudaBackend::max_in_flight() const { return impl_->options.max_in_flight; }
+
+int64_t CudaBackend::staging_device_bytes() const {
+  const Impl& d = *impl_;
+  if (!d.initialized) return 0;
+  return static_cast<int64_t>(d.slots.size()) *
+         (d.cap.ArenaBytes() + d.cap.OutputBytes() + kDecoderReserveBytes);
+}
+
+absl::Status CudaBackend::Init(const PoolShape& shape) {
+  Impl& d = *impl_;
+  if (d.init_called) return absl::FailedPreconditionError("backend already initialized");
+  if (shape.num_layers <= 0 || shape.num_pages <= 0 || shape.max_batch_size <= 0) {
+    return absl::InvalidArgumentError("num_layers, num_pages and max_batch_size must be > 0");
+  }
+  const int64_t pool_pages = int64_t{shape.num_layers} * shape.num_pages;
+  if (pool_pages > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError("num_layers * num_pages must fit in int32");
+  }
+  d.init_called = true;
+  d.shape = shape;
+  d.pool_pages = pool_pages;
+  d.cap = StagingCapacity::For(shape, d.options.staged_tokens);
+  if (absl::Status s = d.Allocate(); !s.ok()) return s;
+  d.initialized = true;
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Impl::Allocate() {
+  PA_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  const int64_t pool_bytes = pool_pages * kPageBytes;
+  cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&k_pool), pool_bytes);
+  if (e != cudaSuccess) return AllocError("the K pool", pool_bytes, e);
+  e = cudaMalloc(reinterpret_cast<void**>(&v_pool), pool_bytes);
+  if (e != cudaSuccess) return AllocError("the V pool", pool_bytes, e);
+  // Zeroed once so that a run is reproducible; the kernel reads no slot it was not given.
+  PA_CUDA_RETURN_IF_ERROR(cudaMemset(k_pool, 0, pool_bytes));
+  PA_CUDA_RETURN_IF_ERROR(cudaMemset(v_pool, 0, pool_bytes));
+  PA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  const int64_t arena = cap.ArenaBytes();
+  const int64_t out = cap.OutputBytes();
+  slots.resize(options.max_in_flight);
+  for (Slot& slot : slots) {
+    k::CudaDecoder::Options decoder_options;
+    decoder_options.max_batch_size = shape.max_batch_size;
+    decoder_options.device = options.device;
+    decoder_options.num_ctas = options.num_ctas;
+    PA_RETURN_IF_ERROR(FromKernel(k::CudaDecoder::Create(decoder_options, &slot.decoder)));
+    e = cudaMallocHost(reinterpret_cast<void**>(&slot.host_in), arena);
+    if (e != cudaSuccess) return AllocError("the pinned staging arena", arena, e);
+    e = cudaMalloc(reinterpret_cast<void**>(&slot.dev_in), arena);
+    if (e != cudaSuccess) return AllocError("the device staging arena", arena, e);
+    e = cudaMallocHost(reinterpret_cast<void**>(&slot.host_out), out);
+    if (e != cudaSuccess) return AllocError("the pinned output buffer", out, e);
+    e = cudaMalloc(reinterpret_cast<void**>(&slot.dev_out), out);
+    if (e != cudaSuccess) return AllocError("the device output buffer", out, e);
+    PA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&slot.staged, cudaEventDisableTiming));
+    PA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&slot.start));
+    PA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&slot.stop));
+    PA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
+  }
+  rebased_indptr.resize(shape.max_batch_size + 1);
+  rounds.reserve(8);
+  // The memsets ran on the legacy stream, which a non-blocking stream does not wait for.
+  PA_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Impl::WaitEvent(cudaEvent_t event, absl::string_view what) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point begin = Clock::now();
+  const auto spin = std::chrono::microseconds(options.spin_wait_us);
+  const auto timeout = std::chrono::milliseconds(options.wait_timeout_ms);
+  while (true) {
+    const cudaError_t e = cudaEventQuery(event);
+    if (e == cudaSuccess) return absl::OkStatus();
+    if (e != cudaErrorNotReady) return CudaError(what, e);
+    const auto waited = Clock::now() - begin;
+    if (waited >= timeout) {
+      abandoned = true;
+      return absl::InternalError(absl::StrCat(what, ": not done after ", options.wait_timeout_ms,
+                                              " ms; the device is given up"));
+    }
+    if (waited < spin) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+}
+
+absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
+  const Plan& plan = batch.plan;
+  const int32_t b = plan.batch_size();
+  TokenCursor cursor;
+  slot.timed = false;
+  for (size_t i = 0; i < rounds.size(); ++i) {
+    const Round& r = rounds[i];
+    if (i > 0) PA_RETURN_IF_ERROR(WaitEvent(slot.staged, "waiting for a staging round"));
+    const int32_t ns = r.num_sequences();
+    const int64_t ni = ns > 0 ? plan.kv_indptr[r.seq_end] - plan.kv_indptr[r.seq_begin] : 0;
+    const RoundLayout l = LayoutRound(ns, ni, r.num_copies(), r.num_tokens());
+    char* const h = slot.host_in;
+    char* const dev = slot.dev_in;
+    for (int32_t s = 0; s < ns; ++s) {
+      std::memcpy(h + l.q + s * kQueryBytes, batch.q[r.seq_begin + s], kQueryBytes);
+    }
+    if (ni > 0) {
+      std::memcpy(h + l.indices, plan.kv_indices.data() + plan.kv_indptr[r.seq_begin],
+                  ni * sizeof(int32_t));
+    }
+    if (r.num_copies() > 0) {
+      std::memcpy(h + l.copies, batch.page_copies.data() + r.copy_begin,
+                  r.num_copies() * sizeof(PageCopy));
+    }
+    if (r.num_tokens() > 0) {
+      PackTokens(batch, r.num_tokens(), &cursor, reinterpret_cast<int64_t*>(h + l.slots),
+                 reinterpret_cast<uint16_t*>(h + l.k_rows),
+                 reinterpret_cast<uint16_t*>(h + l.v_rows));
+    }
+    PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, h, l.bytes, cudaMemcpyHostToDevice, stream));
+    if (i + 1 < rounds.size()) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.staged, stream));
+
+    if (r.num_copies() > 0) {
+      k::PageCopyArgs a;
+      a.k_cache = k_pool;
+      a.v_cache = v_pool;
+      a.copies = reinterpret_cast<const int32_t*>(dev + l.copies);
+      a.num_copies = static_cast<int32_t>(r.num_copies());
+      a.num_layers = shape.num_layers;
+      a.layer_pages = shape.num_pages;
+      PA_RETURN_IF_ERROR(KernelFailure(k::LaunchPageCopies(a, stream)));
+    }
+    if (r.num_tokens() > 0) {
+      k::TokenScatterArgs a;
+      a.k_cache = k_pool;
+      a.v_cache = v_pool;
+      a.slots = reinterpret_cast<const int64_t*>(dev + l.slots);
+      a.k_rows = reinterpret_cast<const uint16_t*>(dev + l.k_rows);
+      a.v_rows = reinterpret_cast<const uint16_t*>(dev + l.v_rows);
+      a.num_tokens = r.num_tokens();
+      PA_RETURN_IF_ERROR(KernelFailure(k::LaunchTokenScatter(a, stream)));
+    }
+    if (ns > 0) {
+      const int32_t* indptr = plan.kv_indptr.data() + r.seq_begin;
+      if (r.seq_begin > 0) {
+        for (int32_t s = 0; s <= ns; ++s) rebased_indptr[s] = indptr[s] - indptr[0];
+        indptr = rebased_indptr.data();
+      }
+      PA_RETURN_IF_ERROR(KernelFailure(
+          slot.decoder->Plan(indptr, plan.kv_last_page_len.data() + r.seq_begin, ns, stream)));
+      if (!slot.timed) {
+        PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.start, stream));
+        slot.timed = true;
+      }
+      k::DecodeArgs a;
+      a.q = reinterpret_cast<const uint16_t*>(dev + l.q);
+      a.k_cache = k_pool;
+      a.v_cache = v_pool;
+      a.kv_indices = reinterpret_cast<const int32_t*>(dev + l.indices);
+      a.output = reinterpret_cast<uint16_t*>(slot.dev_out) + int64_t{r.seq_begin} * k::kQueryElems;
+      a.lse = reinterpret_cast<float*>(slot.dev_out + LseOffset(b)) +
+              int64_t{r.seq_begin} * k::kNumQoHeads;
+      a.batch_size = ns;
+      a.num_pages = pool_pages;
+      a.sm_scale = batch.sm_scale;
+      PA_RETURN_IF_ERROR(KernelFailure(slot.decoder->Run(a, stream)));
+    }
+  }
+  if (slot.timed) {
+    PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.stop, stream));
+    PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.host_out, slot.dev_out, OutputBytes(b),
+                                            cudaMemcpyDeviceToHost, stream));
+  }
+  PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.done, stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Launch(BackendBatch* batch) {
+  Impl& d = *impl_;
+  if (!d.failed.ok()) return d.failed;
+  if (!d.initialized) return absl::FailedPreconditionError("backend not initialized");
+  if (d.in_flight == static_cast<int32_t>(d.slots.size())) {
+    return absl::InternalError(
+        absl::StrCat("Launch with ", d.in_flight, " batches in flight (max_in_flight)"));
+  }
+  PA_RETURN_IF_ERROR(ValidateBatch(*batch, d.shape));
+  PA_RETURN_IF_ERROR(SplitRounds(d.cap, static_cast<int64_t>(batch->page_copies.size()),
+                                 WrittenTokens(*batch), batch->plan.kv_indptr, &d.rounds));
+  // From here on a failure may leave work enqueued: the backend is failed for good.
+  if (const cudaError_t e = cudaSetDevice(d.options.device); e != cudaSuccess) {
+    return d.Fail(CudaError("cudaSetDevice", e));
+  }
+  Slot& slot = d.slots[d.next_launch];
+  if (absl::Status s = d.Enqueue(slot, *batch); !s.ok()) return d.Fail(std::move(s));
+  slot.batch = batch;
+  d.next_launch = (d.next_launch + 1) % static_cast<int32_t>(d.slots.size());
+  ++d.in_flight;
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Wait(BackendBatch* batch) {
+  Impl& d = *impl_;
+  if (!d.failed.ok()) return d.failed;
+  if (d.in_flight == 0) return absl::InternalError("Wait without a batch in flight");
+  Slot& slot = d.slots[d.next_wait];
+  if (slot.batch != batch) {
+    return d.Fail(absl::InternalError("Wait out of launch order"));
+  }
+  if (const cudaError_t e = cudaSetDevice(d.options.device); e != cudaSuccess) {
+    return d.Fail(CudaError("cudaSetDevice", e));
+  }
+  if (absl::Status s = d.WaitEvent(slot.done, "waiting for a batch"); !s.ok()) {
+    return d.Fail(std::move(s));
+  }
+  batch->kernel_seconds = 0.0;
+  if (slot.timed) {
+    const int32_t b = batch->plan.batch_size();
+    for (int32_t i = 0; i < b; ++i) {
+      std::memcpy(batch->output[i], slot.host_out + i * kQueryBytes, kQueryBytes);
+      std::memcpy(batch->lse[i], slot.host_out + LseOffset(b) + i * kLseBytes, kLseBytes);
+    }
+    float ms = 0.0f;
+    if (const cudaError_t e = cudaEventElapsedTime(&ms, slot.start, slot.stop); e != cudaSuccess) {
+      return d.Fail(CudaError("cudaEventElapsedTime", e));
+    }
+    batch->kernel_seconds = ms * 1e-3;
+  }
+  slot.batch = nullptr;
+  d.next_wait = (d.next_wait + 1) % static_cast<int32_t>(d.slots.size());
+  --d.in_flight;
+  return absl::OkStatus();
+}
+
+}  // namespace pagedattn

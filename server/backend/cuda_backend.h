@@ -1,0 +1,87 @@
+// CudaBackend: the KV pool in device memory and the CUDA decode kernel (kernels::CudaDecoder),
+// with up to max_in_flight batches on the GPU at once.
+//
+// Memory, all taken in Init and kept until destruction (nothing is allocated per batch):
+//   - the pool: K and V of every layer, 2 x num_layers x num_pages x 64 KiB, one cudaMalloc each;
+//   - per in-flight slot: a CudaDecoder (its own pinned plan tables and workspace), a staging
+//     arena (pinned host + device copy, StagingCapacity::ArenaBytes: q rows, kv_indices, page
+//     copies, token slots and K/V rows of one round), an output buffer (pinned host + device,
+//     output rows then lse rows), and four events.
+// A Launch packs the batch into its slot's pinned arena and enqueues, on the backend's one
+// stream: one host-to-device copy of the arena, the page-copy kernel, the scatter kernel, the
+// decoder's Plan (its own table copy) and Run between two timing events, one device-to-host
+// copy of output and lse, and the slot's done event. A batch over a staging capacity (see
+// cuda_staging.h) is staged in several rounds; before re-filling the arena for the next round
+// Launch waits for the previous round's copy to leave it (that waits on the stream: the rare
+// large prefill pays a host stall, the common batch never does). The one stream keeps batches
+// in launch order. Wait polls the slot's done event (spinning first, then sleeping between
+// polls) and copies the outputs into the batch's rows; kernel_seconds is the event time of the
+// attention.
+//
+// Errors: a bad batch (a page id, slot or size out of range) is INTERNAL and changes nothing.
+// Any CUDA error (or a batch not done within wait_timeout_ms) is INTERNAL with the CUDA error
+// string and is sticky: every later Launch and Wait returns it at once, so no caller hangs.
+// Launch and Wait come from one thread at a time (the engine's executor).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "server/backend/backend.h"
+
+namespace pagedattn {
+
+// Devices the CUDA backend can run on (compute capability 9.0); 0 without a driver or device.
+int CudaDeviceCount();
+
+class CudaBackend final : public Backend {
+ public:
+  struct Options {
+    int32_t device = 0;             // CUDA device ordinal
+    int32_t max_in_flight = 2;      // batches launched and not yet waited, 1..4
+    int64_t staged_tokens = 8192;   // token writes staged per round (raised to max_batch_size)
+    int32_t num_ctas = 0;           // decoder thread blocks; 0: one per SM
+    int64_t spin_wait_us = 2000;    // Wait spins this long on the done event, then sleeps
+    int64_t wait_timeout_ms = 60000;  // a batch not done by then fails the backend
+  };
+
+  // INVALID_ARGUMENT for bad options; UNAVAILABLE without a device; FAILED_PRECONDITION when
+  // the device is not compute capability 9.0. Allocates nothing (Init does).
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const Options& options);
+
+  struct MemoryFit {
+    int64_t num_pages = 0;    // per layer
+    int64_t free_bytes = 0;   // device memory free when asked
+    int64_t total_bytes = 0;  // device memory in all
+  };
+  // The num_pages for which the pool and every staging buffer of these options take at most
+  // `fraction` (0, 1] of the device's free memory. INVALID_ARGUMENT for a bad fraction or
+  // shape; UNAVAILABLE without a device; INTERNAL for a CUDA error.
+  static absl::StatusOr<MemoryFit> PagesThatFit(const Options& options, int32_t num_layers,
+                                                int32_t max_batch_size, double fraction);
+
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  std::string_view name() const override { return "cuda"; }
+  // Also RESOURCE_EXHAUSTED (with the sizes) when the device memory or pinned memory is not
+  // there; INTERNAL for another CUDA error.
+  absl::Status Init(const PoolShape& shape) override;
+  int32_t max_in_flight() const override;
+  absl::Status Launch(BackendBatch* batch) override;
+  absl::Status Wait(BackendBatch* batch) override;
+
+  // Bytes of device memory Init takes beyond the pool (staging, outputs, decoder workspaces).
+  int64_t staging_device_bytes() const;
+
+ private:
+  struct Impl;
+  explicit CudaBackend(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace pagedattn

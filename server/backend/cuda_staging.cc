@@ -1,0 +1,174 @@
+#include "server/backend/cuda_staging.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+
+namespace pagedattn {
+
+namespace k = kernels;
+
+namespace {
+
+int64_t AlignUp(int64_t n) {
+  constexpr int64_t a = RoundLayout::kAlignment;
+  return (n + a - 1) / a * a;
+}
+
+constexpr int64_t kRowBytes = k::kTokenElems * sizeof(uint16_t);
+constexpr int64_t kQueryBytes = k::kQueryElems * sizeof(uint16_t);
+
+}  // namespace
+
+StagingCapacity StagingCapacity::For(const Backend::PoolShape& shape, int64_t staged_tokens) {
+  StagingCapacity c;
+  c.max_sequences = shape.max_batch_size;
+  c.max_page_copies = shape.max_batch_size;
+  c.max_tokens = std::max<int64_t>(staged_tokens, shape.max_batch_size);
+  c.max_kv_indices = std::min<int64_t>(shape.max_batch_size, shape.num_layers) * shape.num_pages;
+  return c;
+}
+
+int64_t StagingCapacity::ArenaBytes() const {
+  return LayoutRound(max_sequences, max_kv_indices, max_page_copies, max_tokens).bytes;
+}
+
+int64_t StagingCapacity::OutputBytes() const { return pagedattn::OutputBytes(max_sequences); }
+
+RoundLayout LayoutRound(int32_t sequences, int64_t kv_indices, int64_t copies, int64_t tokens) {
+  RoundLayout l;
+  int64_t at = 0;
+  l.q = at;
+  at = AlignUp(at + int64_t{sequences} * kQueryBytes);
+  l.indices = at;
+  at = AlignUp(at + kv_indices * static_cast<int64_t>(sizeof(int32_t)));
+  l.copies = at;
+  at = AlignUp(at + copies * static_cast<int64_t>(sizeof(PageCopy)));
+  l.slots = at;
+  at = AlignUp(at + tokens * static_cast<int64_t>(sizeof(int64_t)));
+  l.k_rows = at;
+  at = AlignUp(at + tokens * kRowBytes);
+  l.v_rows = at;
+  l.bytes = at + tokens * kRowBytes;
+  return l;
+}
+
+absl::Status SplitRounds(const StagingCapacity& cap, int64_t num_copies, int64_t num_tokens,
+                         const std::vector<int32_t>& kv_indptr, std::vector<Round>* rounds) {
+  rounds->clear();
+  const int32_t num_seqs = kv_indptr.empty() ? 0 : static_cast<int32_t>(kv_indptr.size()) - 1;
+  if (num_seqs > cap.max_sequences) {
+    return absl::InternalError(absl::StrCat("batch of ", num_seqs, " sequences > capacity ",
+                                            cap.max_sequences));
+  }
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    if (kv_indptr[s + 1] - kv_indptr[s] > cap.max_kv_indices) {
+      return absl::InternalError(absl::StrCat("sequence of ", kv_indptr[s + 1] - kv_indptr[s],
+                                              " pages > staging capacity ", cap.max_kv_indices));
+    }
+  }
+  int64_t c = 0, t = 0;
+  int32_t s = 0;
+  while (c < num_copies || t < num_tokens || s < num_seqs) {
+    Round r;
+    r.copy_begin = c;
+    c = std::min(num_copies, c + cap.max_page_copies);
+    r.copy_end = c;
+    r.token_begin = t;
+    if (c == num_copies) t = std::min(num_tokens, t + cap.max_tokens);
+    r.token_end = t;
+    r.seq_begin = s;
+    if (c == num_copies && t == num_tokens) {
+      const int64_t first = kv_indptr[s];
+      while (s < num_seqs && kv_indptr[s + 1] - first <= cap.max_kv_indices) ++s;
+    }
+    r.seq_end = s;
+    rounds->push_back(r);
+  }
+  return absl::OkStatus();
+}
+
+int64_t WrittenTokens(const BackendBatch& batch) {
+  int64_t n = 0;
+  for (const TokenWrite& w : batch.writes) n += w.num_tokens;
+  return n;
+}
+
+void PackTokens(const BackendBatch& batch, int64_t count, TokenCursor* cursor, int64_t* slots,
+                uint16_t* k_rows, uint16_t* v_rows) {
+  int64_t done = 0;
+  while (done < count) {
+    const TokenWrite& w = batch.writes[cursor->write];
+    const int64_t n = std::min<int64_t>(count - done, w.num_tokens - cursor->offset);
+    if (n > 0) {
+      std::memcpy(slots + done, batch.write_slots.data() + w.slot_begin + cursor->offset,
+                  n * sizeof(int64_t));
+      std::memcpy(k_rows + done * k::kTokenElems, w.k + int64_t{cursor->offset} * k::kTokenElems,
+                  n * kRowBytes);
+      std::memcpy(v_rows + done * k::kTokenElems, w.v + int64_t{cursor->offset} * k::kTokenElems,
+                  n * kRowBytes);
+      done += n;
+      cursor->offset += static_cast<int32_t>(n);
+    }
+    if (cursor->offset == w.num_tokens) {
+      ++cursor->write;
+      cursor->offset = 0;
+    }
+  }
+}
+
+absl::Status ValidateBatch(const BackendBatch& batch, const Backend::PoolShape& shape) {
+  const int64_t pool_pages = int64_t{shape.num_layers} * shape.num_pages;
+  for (const PageCopy& c : batch.page_copies) {
+    if (c.src < 0 || c.src >= shape.num_pages || c.dst < 0 || c.dst >= shape.num_pages) {
+      return absl::InternalError(absl::StrCat("page copy ", c.src, " -> ", c.dst, " out of range"));
+    }
+  }
+  const int64_t num_slots = pool_pages * k::kPageSize;
+  for (const TokenWrite& w : batch.writes) {
+    if (w.num_tokens < 0 || w.slot_begin < 0 ||
+        w.slot_begin + w.num_tokens > static_cast<int64_t>(batch.write_slots.size()) ||
+        (w.num_tokens > 0 && (w.k == nullptr || w.v == nullptr))) {
+      return absl::InternalError("malformed token write");
+    }
+  }
+  for (int64_t s : batch.write_slots) {
+    if (s < 0 || s >= num_slots) return absl::InternalError(absl::StrCat("slot ", s, " out of range"));
+  }
+  const Plan& plan = batch.plan;
+  const int32_t b = plan.batch_size();
+  if (b > shape.max_batch_size) {
+    return absl::InternalError(absl::StrCat("batch of ", b, " > max_batch_size"));
+  }
+  if (static_cast<int32_t>(plan.kv_indptr.size()) != b + 1 || plan.kv_indptr[0] != 0 ||
+      plan.kv_indptr[b] != static_cast<int64_t>(plan.kv_indices.size()) ||
+      static_cast<int32_t>(batch.q.size()) != b || static_cast<int32_t>(batch.output.size()) != b ||
+      static_cast<int32_t>(batch.lse.size()) != b) {
+    return absl::InternalError("malformed plan");
+  }
+  for (int32_t i = 0; i < b; ++i) {
+    if (plan.kv_indptr[i + 1] < plan.kv_indptr[i] || plan.kv_last_page_len[i] < 1 ||
+        plan.kv_last_page_len[i] > k::kPageSize || batch.q[i] == nullptr ||
+        batch.output[i] == nullptr || batch.lse[i] == nullptr) {
+      return absl::InternalError("malformed plan");
+    }
+  }
+  for (int32_t page : plan.kv_indices) {
+    if (page < 0 || page >= pool_pages) {
+      return absl::InternalError(absl::StrCat("pool page ", page, " out of range"));
+    }
+  }
+  if (b > 0 && !(batch.sm_scale > 0.0f)) return absl::InternalError("sm_scale must be > 0");
+  return absl::OkStatus();
+}
+
+int64_t PagesThatFit(int64_t budget_bytes, int64_t fixed_bytes, int64_t bytes_per_page,
+                     int32_t num_layers) {
+  if (budget_bytes <= fixed_bytes || bytes_per_page <= 0 || num_layers <= 0) return 0;
+  const int64_t pages = (budget_bytes - fixed_bytes) / bytes_per_page;
+  return std::min<int64_t>(pages, std::numeric_limits<int32_t>::max() / num_layers);
+}
+
+}  // namespace pagedattn

@@ -1,0 +1,106 @@
+// The host-side arithmetic of the CUDA backend, apart from CUDA so it is unit-tested anywhere:
+// the fixed capacities of a slot's staging buffers, how a batch is cut into rounds that fit
+// them, the byte layout of one round in the staging arena, the packing of token rows, the
+// batch checks, and how many pages fit a memory budget. Pure functions; thread-safe.
+//
+// A round is what one staging arena holds at once: some page copies, some token writes, some
+// sequences of the plan (their q rows and kv_indices). The rounds of a batch keep the phase
+// order of backend.h: every copy precedes every write, every write precedes every attention.
+// In the common case a batch is one round; a batch is cut only when it exceeds a capacity:
+// writes of more than max_tokens tokens (long AppendKV prefills), more than max_page_copies
+// copies (never from the engine), or more than max_kv_indices page ids (only when forked
+// sequences that share pages are decoded together, see StagingCapacity).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "pagedattn/kernels/decode.h"
+#include "server/backend/backend.h"
+
+namespace pagedattn {
+
+struct StagingCapacity {
+  int32_t max_sequences = 0;    // q rows per round and output rows per batch (max_batch_size)
+  int64_t max_page_copies = 0;  // PageCopy entries per round
+  int64_t max_tokens = 0;       // token writes (slot, K row, V row) per round
+  int64_t max_kv_indices = 0;   // kv_indices entries per round
+
+  // max_sequences = max_batch_size; max_page_copies = max_batch_size (the engine copies at
+  // most one page per sequence step); max_tokens = max(staged_tokens, max_batch_size), so a
+  // decode step's k/v never needs a second round; max_kv_indices =
+  // min(max_batch_size, num_layers) * num_pages: a batch fits when no page is read twice in
+  // it (distinct sequences that share no pages, each at most once per layer: pages are then
+  // distinct pool pages); forked sequences decoded together, or two Decodes of one sequence
+  // and layer in one batch, may need more rounds. It is >= num_pages, so one sequence always
+  // fits in a round.
+  static StagingCapacity For(const Backend::PoolShape& shape, int64_t staged_tokens);
+
+  // Bytes of the staging arena (input, host and device copy each) and of the output buffer.
+  int64_t ArenaBytes() const;
+  int64_t OutputBytes() const;
+};
+
+// Where each part of a round lies in the arena; every offset is a multiple of kAlignment.
+struct RoundLayout {
+  static constexpr int64_t kAlignment = 128;
+  int64_t q = 0;        // bf16 [sequences, 24, 128]
+  int64_t indices = 0;  // int32 [kv_indices]
+  int64_t copies = 0;   // PageCopy [copies] (int32 src, dst)
+  int64_t slots = 0;    // int64 [tokens]
+  int64_t k_rows = 0;   // bf16 [tokens, 4, 128]
+  int64_t v_rows = 0;   // bf16 [tokens, 4, 128]
+  int64_t bytes = 0;    // what the round's one host-to-device copy moves
+};
+RoundLayout LayoutRound(int32_t sequences, int64_t kv_indices, int64_t copies, int64_t tokens);
+
+// Output buffer of a batch of b sequences: output bf16 [b, 24, 128] at 0, lse fp32 [b, 24] at
+// LseOffset(b); OutputBytes(b) in all (one device-to-host copy).
+inline int64_t LseOffset(int32_t b) { return int64_t{b} * kernels::kQueryElems * 2; }
+inline int64_t OutputBytes(int32_t b) {
+  return LseOffset(b) + int64_t{b} * kernels::kNumQoHeads * 4;
+}
+
+struct Round {
+  int64_t copy_begin = 0, copy_end = 0;    // into batch.page_copies
+  int64_t token_begin = 0, token_end = 0;  // into the batch's written tokens, in write order
+  int32_t seq_begin = 0, seq_end = 0;      // sequences of the plan
+  int64_t num_copies() const { return copy_end - copy_begin; }
+  int64_t num_tokens() const { return token_end - token_begin; }
+  int32_t num_sequences() const { return seq_end - seq_begin; }
+};
+
+// Cuts a batch (num_copies copies, num_tokens written tokens, the plan's kv_indptr) into rounds,
+// greedily, phase order kept. An empty batch has no rounds. `rounds` is cleared first (its
+// capacity is kept: no allocation once it has grown). INTERNAL when one sequence has more pages
+// than max_kv_indices or the plan has more sequences than max_sequences.
+absl::Status SplitRounds(const StagingCapacity& capacity, int64_t num_copies, int64_t num_tokens,
+                         const std::vector<int32_t>& kv_indptr, std::vector<Round>* rounds);
+
+// Total tokens of batch.writes.
+int64_t WrittenTokens(const BackendBatch& batch);
+
+// Walks the written tokens of a batch, in write order, across rounds.
+struct TokenCursor {
+  size_t write = 0;    // index into batch.writes
+  int32_t offset = 0;  // tokens of that write already packed
+};
+
+// Packs the next `count` written tokens at *cursor into slots [count], k_rows and v_rows
+// [count, 4, 128] and advances the cursor. The caller asks for no more tokens than are left.
+void PackTokens(const BackendBatch& batch, int64_t count, TokenCursor* cursor, int64_t* slots,
+                uint16_t* k_rows, uint16_t* v_rows);
+
+// The checks a device cannot afford to skip (a bad page id there is a fault that ends the
+// context): every page id, slot and size in range, as CpuBackend checks them. INTERNAL with
+// what is wrong.
+absl::Status ValidateBatch(const BackendBatch& batch, const Backend::PoolShape& shape);
+
+// Pages per layer that fit in budget_bytes: each page costs bytes_per_page (K and V of every
+// layer, and whatever staging grows with the pool), after fixed_bytes; clamped so that
+// num_layers * pages < 2^31. 0 when nothing fits.
+int64_t PagesThatFit(int64_t budget_bytes, int64_t fixed_bytes, int64_t bytes_per_page,
+                     int32_t num_layers);
+
+}  // namespace pagedattn

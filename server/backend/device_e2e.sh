@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# The CUDA backend end to end on the GPU host, in one device call. Run from the repository root
+# there, with the bundle made here by server/backend/make_device_bundle.sh:
+#   server/backend/device_e2e.sh [BUNDLE]          (default .device/bundle)
+# Steps, in order (STEPS, default "tests server loadgen"):
+#   tests    every gpu-labelled test binary of the bundle (the CUDA backend's, the kernel's)
+#   server   pagedattn-server --backend=cuda (pool sized by --gpu_memory_fraction), its health
+#            probe, a CLI round trip and a small loadgen run with the reference check; the
+#            server stays up for the next step
+#   loadgen  client/loadgen/run_h200.sh when it exists, against that server (see below)
+# Then SIGTERM and the server's exit status. Logs go to $OUT (default /tmp/pagedattn-e2e):
+# e2e.log (summary: GPU, each step's result, metrics), tests.log, server.log, smoke.json, and
+# whatever run_h200.sh writes under $OUT/loadgen (the device tool returns 8 files at most,
+# so run_h200.sh may leave at most 4 there).
+# run_h200.sh gets: PAGEDATTN_BIN (the bundle's bin), LD_LIBRARY_PATH, PAGEDATTN_TARGET and
+# PAGEDATTN_METRICS (host:port of the running server), OUT=$OUT/loadgen. With
+# E2E_LOADGEN_OWN_SERVER=1 the server is stopped first (it holds most of the GPU memory) and
+# run_h200.sh starts its own servers from PAGEDATTN_BIN.
+# Environment: SERVER_FLAGS (extra server flags), LOADGEN_TIMEOUT (s, default 420),
+# TEST_TIMEOUT (s per test binary, default 300).
+set -u
+BUNDLE=$(cd "${1:-.device/bundle}" && pwd) || { echo "no bundle" >&2; exit 2; }
+BIN=$BUNDLE/bin
+OUT=${OUT:-/tmp/pagedattn-e2e}
+STEPS=${STEPS:-tests server loadgen}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH=$BUNDLE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export PAGEDATTN_WORKLOADS=$PWD/kernels/bench/workloads/gqa_paged_decode_h24_kv4_d128_ps64.jsonl
+export PYTHONUNBUFFERED=1
+LOG=$OUT/e2e.log
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+say() { echo "$*" | tee -a "$LOG"; }
+: > "$LOG"
+failures=0
+check() {  # check NAME RC
+  if [[ $2 -eq 0 ]]; then say "ok   $1"; else say "FAIL $1 (rc=$2)"; failures=$((failures + 1)); fi
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem \
+  --format=csv >> "$LOG" 2>&1
+say "bundle: $(ls "$BIN" | tr '\n' ' ')"
+
+if has tests; then
+  say "== tests"
+  : > "$OUT/tests.log"
+  for t in pagedattn_cuda_staging_test pagedattn_cuda_backend_test pagedattn_kernel_gpu_test; do
+    [[ -x $BIN/$t ]] || { say "skip $t (not in the bundle)"; continue; }
+    echo "=== $t" >> "$OUT/tests.log"
+    timeout "${TEST_TIMEOUT:-300}" "$BIN/$t" --gtest_brief=1 >> "$OUT/tests.log" 2>&1
+    rc=$?
+    check "$t" $rc
+    grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/tests.log" | tail -3 >> "$LOG"
+  done
+fi
+
+server_pid=
+grpc=
+metrics=
+start_server() {
+  # shellcheck disable=SC2086
+  "$BIN/pagedattn-server" --backend=cuda --grpc_address=127.0.0.1:0 \
+    --metrics_address=127.0.0.1:0 ${SERVER_FLAGS:-} > "$OUT/server.log" 2>&1 &
+  server_pid=$!
+  for _ in $(seq 1 300); do
+    line=$(grep -m1 "serving grpc=" "$OUT/server.log" 2> /dev/null) && break
+    kill -0 "$server_pid" 2> /dev/null || break
+    sleep 0.5
+  done
+  if [[ -z ${line:-} ]]; then
+    say "FAIL server did not start:"; tail -5 "$OUT/server.log" | tee -a "$LOG"
+    failures=$((failures + 1)); server_pid=; return 1
+  fi
+  grpc=$(sed -E 's/.*grpc=([^ ]+).*/\1/' <<< "$line")
+  metrics=$(sed -E 's/.*metrics=([^ ]+).*/\1/' <<< "$line")
+  grep "pagedattn-server:" "$OUT/server.log" | head -3 >> "$LOG"
+}
+stop_server() {
+  [[ -n $server_pid ]] || return 0
+  kill -TERM "$server_pid"
+  for _ in $(seq 1 60); do kill -0 "$server_pid" 2> /dev/null || break; sleep 0.5; done
+  if kill -0 "$server_pid" 2> /dev/null; then
+    say "FAIL server still running 30 s after SIGTERM"; kill -KILL "$server_pid"
+    failures=$((failures + 1))
+  fi
+  wait "$server_pid"
+  check "server exit status after SIGTERM" $?
+  tail -2 "$OUT/server.log" >> "$LOG"
+  server_pid=
+}
+scrape() {
+  python3 - "$metrics" << 'EOF' >> "$LOG" 2>&1
+import sys, urllib.request
+text = urllib.request.urlopen("http://%s/metrics" % sys.argv[1], timeout=5).read().decode()
+for line in text.splitlines():
+    if line.startswith("pagedattn_") and ("_sum" in line or "_count" in line or "{" not in line):
+        print("  " + line)
+EOF
+}
+
+if has server; then
+  say "== server"
+  if start_server; then
+    "$BIN/pagedattn-health" --address="$grpc" --timeout=5s >> "$LOG" 2>&1
+    check "health SERVING" $?
+    cli() { "$BIN/pagedattn-cli" --target="$grpc" "$@" >> "$LOG" 2>&1; }
+    cli config && cli create 7 && cli append 7 --num_tokens=300 &&
+      cli decode 7 --with_kv && cli fork 7 8 && cli decode 7,8 --with_kv && cli stats &&
+      cli release 7 && cli release 8
+    check "cli create/append/decode/fork/release" $?
+    if [[ -x $BIN/pagedattn-loadgen ]]; then
+      timeout 180 "$BIN/pagedattn-loadgen" --target="$grpc" --metrics_address="$metrics" \
+        --batch_size=64 --context_len=4096 --steps=50 --warmup_steps=5 --check_sequences=8 \
+        --out="$OUT/smoke.json" >> "$LOG" 2>&1
+      check "loadgen smoke (64 x 4096 tokens, reference check)" $?
+    fi
+    scrape
+  fi
+fi
+
+if has loadgen; then
+  say "== loadgen"
+  if [[ ! -x client/loadgen/run_h200.sh ]]; then
+    say "skip: client/loadgen/run_h200.sh not present"
+  else
+    mkdir -p "$OUT/loadgen"
+    [[ ${E2E_LOADGEN_OWN_SERVER:-0} == 1 ]] && stop_server
+    [[ -z $server_pid && ${E2E_LOADGEN_OWN_SERVER:-0} != 1 ]] && start_server
+    PAGEDATTN_BIN=$BIN PAGEDATTN_TARGET=$grpc PAGEDATTN_METRICS=$metrics OUT=$OUT/loadgen \
+      timeout "${LOADGEN_TIMEOUT:-420}" client/loadgen/run_h200.sh >> "$LOG" 2>&1
+    check "client/loadgen/run_h200.sh" $?
+    [[ -n $server_pid ]] && scrape
+  fi
+fi
+
+if [[ -n $server_pid ]]; then
+  "$BIN/pagedattn-health" --address="$grpc" --timeout=5s >> "$LOG" 2>&1
+  check "health still SERVING at the end" $?
+  stop_server
+fi
+say "== $failures failure(s)"
+exit $((failures > 0))
