@@ -28,7 +28,7 @@
 #include "server/metrics/metrics.h"
 #include "server/service/grpc_server.h"
 #if PAGEDATTN_HAVE_CUDA
-// The CUDA backend plugs in here: it provides CudaDeviceCount() and MakeCudaBackend().
+// The CUDA backend: CudaDeviceCount(), CudaBackend::Create() and CudaBackend::PagesThatFit().
 #include "server/backend/cuda_backend.h"
 #endif
 
@@ -39,7 +39,17 @@ ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9464",
 ABSL_FLAG(std::string, backend, "auto",
           "auto|cpu|cuda: auto takes cuda when this build has the CUDA backend and a device is "
           "present, else cpu");
-ABSL_FLAG(int64_t, num_pages, 4096, "KV pages per layer (64 tokens, 128 KiB of K+V each)");
+ABSL_FLAG(int64_t, num_pages, 0,
+          "KV pages per layer (64 tokens, 128 KiB of K+V each); 0: 4096 on the CPU backend, and "
+          "on CUDA the pages that fit in --gpu_memory_fraction of the free device memory");
+ABSL_FLAG(double, gpu_memory_fraction, 0.9,
+          "CUDA backend with --num_pages=0: share (0, 1] of the free device memory that the pool "
+          "and its staging buffers may take");
+ABSL_FLAG(int32_t, cuda_max_in_flight, 2,
+          "CUDA backend: batches on the GPU at once (1..4); the host forms the next while one runs");
+ABSL_FLAG(int64_t, cuda_spin_wait_us, 2000,
+          "CUDA backend: microseconds the executor spins on a batch's completion before it "
+          "sleeps between polls");
 ABSL_FLAG(int32_t, num_layers, 1, "Layers in the KV pool");
 ABSL_FLAG(int32_t, max_batch_size, 64, "Most sequences per backend launch (and per Decode)");
 ABSL_FLAG(int64_t, max_queue_delay_us, 200, "Longest wait, in microseconds, to fill a batch");
@@ -54,6 +64,8 @@ ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10),
 namespace pagedattn {
 namespace {
 
+constexpr int64_t kCpuDefaultPages = 4096;
+
 // Whether this build has a CUDA backend and a device is present.
 bool CudaBackendAvailable() {
 #if PAGEDATTN_HAVE_CUDA
@@ -63,13 +75,52 @@ bool CudaBackendAvailable() {
 #endif
 }
 
+#if PAGEDATTN_HAVE_CUDA
+CudaBackend::Options CudaOptionsFromFlags() {
+  CudaBackend::Options options;
+  options.max_in_flight = absl::GetFlag(FLAGS_cuda_max_in_flight);
+  options.spin_wait_us = absl::GetFlag(FLAGS_cuda_spin_wait_us);
+  return options;
+}
+#endif
+
+// --num_pages, with 0 resolved for the chosen backend (printed when it comes from the device).
+absl::StatusOr<int64_t> ResolveNumPages(std::string_view backend_name) {
+  const int64_t pages = absl::GetFlag(FLAGS_num_pages);
+  if (pages < 0) return absl::InvalidArgumentError("--num_pages must be >= 0");
+  if (pages > 0) return pages;
+#if PAGEDATTN_HAVE_CUDA
+  if (backend_name == "cuda") {
+    const double fraction = absl::GetFlag(FLAGS_gpu_memory_fraction);
+    absl::StatusOr<CudaBackend::MemoryFit> fit = CudaBackend::PagesThatFit(
+        CudaOptionsFromFlags(), absl::GetFlag(FLAGS_num_layers), absl::GetFlag(FLAGS_max_batch_size),
+        fraction);
+    if (!fit.ok()) return fit.status();
+    constexpr double kGiB = 1 << 30;
+    std::cout << "pagedattn-server: --num_pages=0: " << fit->num_pages << " pages per layer fit in "
+              << fraction << " of the device's " << fit->free_bytes / kGiB << " GiB free (of "
+              << fit->total_bytes / kGiB << " GiB)" << std::endl;
+    return fit->num_pages;
+  }
+#else
+  (void)backend_name;
+#endif
+  return kCpuDefaultPages;
+}
+
 // The one place the backend is chosen. `choice` is auto, cpu or cuda.
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(std::string_view choice, int32_t cpu_threads) {
   if (choice == "auto") choice = CudaBackendAvailable() ? "cuda" : "cpu";
   if (choice == "cuda") {
 #if PAGEDATTN_HAVE_CUDA
-    if (!CudaBackendAvailable()) return absl::FailedPreconditionError("--backend=cuda: no CUDA device");
-    return MakeCudaBackend();
+    if (!CudaBackendAvailable()) {
+      return absl::FailedPreconditionError(
+          "--backend=cuda: no CUDA device of compute capability 9.0 (Hopper) is present; use "
+          "--backend=cpu or auto");
+    }
+    absl::StatusOr<std::unique_ptr<CudaBackend>> cuda = CudaBackend::Create(CudaOptionsFromFlags());
+    if (!cuda.ok()) return cuda.status();
+    return std::unique_ptr<Backend>(*std::move(cuda));
 #else
     return absl::FailedPreconditionError(
         "--backend=cuda: this build has no CUDA backend (built without nvcc or with "
@@ -125,7 +176,9 @@ int Serve() {
 
   Engine::Options engine_options;
   engine_options.num_layers = absl::GetFlag(FLAGS_num_layers);
-  engine_options.num_pages = absl::GetFlag(FLAGS_num_pages);
+  absl::StatusOr<int64_t> num_pages = ResolveNumPages(backend_name);
+  if (!num_pages.ok()) return Fail("num_pages", num_pages.status());
+  engine_options.num_pages = *num_pages;
   engine_options.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
   engine_options.max_queue_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_queue_delay_us));
   engine_options.max_queue_depth = absl::GetFlag(FLAGS_max_queue_depth);

@@ -1,0 +1,503 @@
+// The CUDA backend against the CPU backend on the same batches (random normal data): writes in
+// staging rounds, copy on write, mixed layers, empty sequences, shared pages over the index
+// capacity, several batches in flight, and the engine end to end on both. Needs a GPU of
+// compute capability 9.0; skips without one.
+#include "server/backend/cuda_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <future>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "pagedattn/kernels/decode.h"
+#include "server/backend/cpu_backend.h"
+#include "server/engine/engine.h"
+#include "tests/backend/test_util.h"
+
+namespace pagedattn {
+namespace {
+
+namespace k = kernels;
+using testing::RandomBf16;
+
+#define SKIP_WITHOUT_DEVICE() \
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device of compute capability 9.0"
+
+// GPU outputs of b sequences against the CPU's: per sequence relative L2 error of the output
+// under 1e-2 (exactly 0 where the CPU's is), each lse within 1e-3 (-inf where the CPU's is).
+void ExpectSameOutputs(const uint16_t* cpu_out, const float* cpu_lse, const uint16_t* gpu_out,
+                       const float* gpu_lse, int32_t b, const std::string& what) {
+  for (int32_t s = 0; s < b; ++s) {
+    double err = 0, norm = 0;
+    for (int64_t i = 0; i < k::kQueryElems; ++i) {
+      const double want = k::Bf16ToFloat(cpu_out[s * k::kQueryElems + i]);
+      const double got = k::Bf16ToFloat(gpu_out[s * k::kQueryElems + i]);
+      err += (got - want) * (got - want);
+      norm += want * want;
+    }
+    if (norm == 0) {
+      EXPECT_EQ(err, 0) << what << ": sequence " << s << " should be all zero";
+    } else {
+      EXPECT_LT(std::sqrt(err / norm), 1e-2) << what << ": sequence " << s;
+    }
+    for (int h = 0; h < k::kNumQoHeads; ++h) {
+      const float want = cpu_lse[s * k::kNumQoHeads + h];
+      const float got = gpu_lse[s * k::kNumQoHeads + h];
+      if (std::isinf(want)) {
+        EXPECT_TRUE(std::isinf(got) && got < 0) << what << ": lse " << s << "," << h << " = " << got;
+      } else {
+        EXPECT_NEAR(got, want, 1e-3) << what << ": lse " << s << "," << h;
+      }
+    }
+  }
+}
+
+// One batch with its inputs, run on both backends (each with its own output rows). Add
+// everything, then take cpu() and gpu(): both are built on the first call and stay as they are.
+class TestBatch {
+ public:
+  explicit TestBatch(uint64_t seed) : rng_(seed) {}
+
+  // One write of random rows into `slots` (pool page * 64 + offset).
+  void AddWrite(const std::vector<int64_t>& slots) {
+    Write w;
+    w.slot_begin = static_cast<int64_t>(slots_.size());
+    w.k = RandomBf16(static_cast<int64_t>(slots.size()) * k::kTokenElems, rng_);
+    w.v = RandomBf16(static_cast<int64_t>(slots.size()) * k::kTokenElems, rng_);
+    slots_.insert(slots_.end(), slots.begin(), slots.end());
+    writes_.push_back(std::move(w));
+  }
+  void AddCopy(int32_t src, int32_t dst) { copies_.push_back({src, dst}); }
+  // A sequence reading `pool_pages` in order, `last_len` tokens in the last (no pages: empty).
+  void AddSequence(const std::vector<int32_t>& pool_pages, int32_t last_len) {
+    plan_.kv_indices.insert(plan_.kv_indices.end(), pool_pages.begin(), pool_pages.end());
+    plan_.kv_indptr.push_back(static_cast<int32_t>(plan_.kv_indices.size()));
+    plan_.kv_last_page_len.push_back(pool_pages.empty() ? 1 : last_len);
+    const std::vector<uint16_t> q = RandomBf16(k::kQueryElems, rng_);
+    q_.insert(q_.end(), q.begin(), q.end());
+  }
+
+  int32_t size() const { return plan_.batch_size(); }
+  BackendBatch* cpu() {
+    Build();
+    return &cpu_;
+  }
+  BackendBatch* gpu() {
+    Build();
+    return &gpu_;
+  }
+
+  void ExpectSameOutputs(const std::string& what) const {
+    pagedattn::ExpectSameOutputs(cpu_out_.data(), cpu_lse_.data(), gpu_out_.data(),
+                                 gpu_lse_.data(), size(), what);
+  }
+
+ private:
+  struct Write {
+    std::vector<uint16_t> k, v;
+    int64_t slot_begin = 0;
+  };
+
+  void Build() {
+    if (built_) return;
+    built_ = true;
+    Fill(&cpu_, &cpu_out_, &cpu_lse_);
+    Fill(&gpu_, &gpu_out_, &gpu_lse_);
+  }
+
+  void Fill(BackendBatch* batch, std::vector<uint16_t>* out, std::vector<float>* lse) {
+    batch->Clear();
+    batch->page_copies = copies_;
+    batch->write_slots = slots_;
+    for (const Write& w : writes_) {
+      batch->writes.push_back(TokenWrite{w.k.data(), w.v.data(),
+                                         static_cast<int32_t>(w.k.size() / k::kTokenElems),
+                                         w.slot_begin});
+    }
+    batch->plan = plan_;
+    const int32_t b = size();
+    out->assign(int64_t{b} * k::kQueryElems, 0xFFFF);  // NaN until written
+    lse->assign(int64_t{b} * k::kNumQoHeads, std::numeric_limits<float>::quiet_NaN());
+    for (int32_t i = 0; i < b; ++i) {
+      batch->q.push_back(q_.data() + int64_t{i} * k::kQueryElems);
+      batch->output.push_back(out->data() + int64_t{i} * k::kQueryElems);
+      batch->lse.push_back(lse->data() + int64_t{i} * k::kNumQoHeads);
+    }
+    batch->sm_scale = b > 0 ? 1.0f / std::sqrt(128.0f) : 0.0f;
+  }
+
+  std::mt19937_64 rng_;
+  std::vector<Write> writes_;
+  std::vector<int64_t> slots_;
+  std::vector<PageCopy> copies_;
+  Plan plan_;
+  std::vector<uint16_t> q_;
+  bool built_ = false;
+  BackendBatch cpu_, gpu_;
+  std::vector<uint16_t> cpu_out_, gpu_out_;
+  std::vector<float> cpu_lse_, gpu_lse_;
+};
+
+// Both backends on one pool shape.
+class CudaBackendTest : public ::testing::Test {
+ protected:
+  void SetUpBackends(const Backend::PoolShape& shape, CudaBackend::Options options = {}) {
+    shape_ = shape;
+    auto cpu = CpuBackend::Create({.num_threads = 2});
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    cpu_ = std::move(*cpu);
+    ASSERT_TRUE(cpu_->Init(shape).ok());
+    auto gpu = CudaBackend::Create(options);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    gpu_ = std::move(*gpu);
+    const absl::Status s = gpu_->Init(shape);
+    ASSERT_TRUE(s.ok()) << s;
+  }
+
+  // Runs the batch on both backends, one after the other.
+  void RunBoth(TestBatch& batch) {
+    ASSERT_TRUE(cpu_->Launch(batch.cpu()).ok());
+    ASSERT_TRUE(cpu_->Wait(batch.cpu()).ok());
+    BackendBatch* g = batch.gpu();
+    absl::Status s = gpu_->Launch(g);
+    ASSERT_TRUE(s.ok()) << s;
+    s = gpu_->Wait(g);
+    ASSERT_TRUE(s.ok()) << s;
+  }
+
+  // Writes every slot of the pool with random rows, in a shuffled order (many rounds when the
+  // pool is larger than the staging capacity).
+  void FillPool(uint64_t seed) {
+    const int64_t slots = int64_t{shape_.num_layers} * shape_.num_pages * k::kPageSize;
+    std::vector<int64_t> all(slots);
+    std::iota(all.begin(), all.end(), 0);
+    std::mt19937_64 rng(seed);
+    std::shuffle(all.begin(), all.end(), rng);
+    TestBatch batch(seed);
+    for (int64_t at = 0; at < slots; at += 777) {
+      batch.AddWrite(std::vector<int64_t>(all.begin() + at, all.begin() + std::min(slots, at + 777)));
+    }
+    RunBoth(batch);
+  }
+
+  int32_t PoolPage(int32_t layer, int32_t page) const {
+    return static_cast<int32_t>(int64_t{layer} * shape_.num_pages + page);
+  }
+
+  // `count` distinct random pages of one layer.
+  std::vector<int32_t> RandomPages(int32_t layer, int32_t count, std::mt19937_64& rng) const {
+    std::vector<int32_t> pages(shape_.num_pages);
+    std::iota(pages.begin(), pages.end(), 0);
+    std::shuffle(pages.begin(), pages.end(), rng);
+    pages.resize(count);
+    for (int32_t& p : pages) p = PoolPage(layer, p);
+    return pages;
+  }
+
+  Backend::PoolShape shape_;
+  std::unique_ptr<CpuBackend> cpu_;
+  std::unique_ptr<CudaBackend> gpu_;
+};
+
+TEST_F(CudaBackendTest, DecodeOverMixedLayersAndEmptySequencesMatchesTheCpu) {
+  SKIP_WITHOUT_DEVICE();
+  // 2 layers x 96 pages: 12,288 written tokens, staged in rounds of 1,000.
+  SetUpBackends({.num_layers = 2, .num_pages = 96, .max_batch_size = 16},
+                {.staged_tokens = 1000});
+  FillPool(1);
+  std::mt19937_64 rng(2);
+  TestBatch batch(3);
+  const std::vector<int32_t> lens = {1, 64, 63, 17, 40, 2, 64, 33, 9, 50, 1, 64, 31, 5};
+  for (size_t i = 0; i < lens.size(); ++i) {
+    const int32_t pages = static_cast<int32_t>(1 + (i * 7) % 40);
+    batch.AddSequence(RandomPages(static_cast<int32_t>(i % 2), pages, rng), lens[i]);
+    if (i == 3 || i == 9) batch.AddSequence({}, 1);  // empty sequences between the others
+  }
+  RunBoth(batch);
+  batch.ExpectSameOutputs("mixed layers");
+}
+
+TEST_F(CudaBackendTest, CopiesAndWritesLandBeforeTheAttentionOfTheSameBatch) {
+  SKIP_WITHOUT_DEVICE();
+  SetUpBackends({.num_layers = 3, .num_pages = 32, .max_batch_size = 8});
+  FillPool(4);
+  TestBatch batch(5);
+  // Copy on write of pages 3 and 4 into 20 and 21 (every layer), then new tokens into the
+  // copies and elsewhere, then sequences that read them.
+  batch.AddCopy(3, 20);
+  batch.AddCopy(4, 21);
+  std::vector<int64_t> slots;
+  for (int32_t layer = 0; layer < 3; ++layer) {
+    slots.push_back(int64_t{PoolPage(layer, 20)} * 64 + 40);
+    slots.push_back(int64_t{PoolPage(layer, 21)} * 64 + 63);
+    slots.push_back(int64_t{PoolPage(layer, 7)} * 64 + 0);
+  }
+  batch.AddWrite(slots);
+  for (int32_t layer = 0; layer < 3; ++layer) {
+    batch.AddSequence({PoolPage(layer, 1), PoolPage(layer, 20)}, 41);
+    batch.AddSequence({PoolPage(layer, 21)}, 64);
+  }
+  batch.AddSequence({PoolPage(1, 7)}, 1);
+  RunBoth(batch);
+  batch.ExpectSameOutputs("copy, write, attend");
+}
+
+TEST_F(CudaBackendTest, SharedPagesOverTheIndexCapacityAreDecodedInRounds) {
+  SKIP_WITHOUT_DEVICE();
+  // One layer of 64 pages: 64 page ids per round; 8 forks of one 40-page sequence need 320.
+  SetUpBackends({.num_layers = 1, .num_pages = 64, .max_batch_size = 8});
+  FillPool(6);
+  std::mt19937_64 rng(7);
+  const std::vector<int32_t> shared = RandomPages(0, 40, rng);
+  TestBatch batch(8);
+  for (int32_t i = 0; i < 8; ++i) {
+    std::vector<int32_t> pages = shared;
+    pages.back() = i;  // each fork has its own last page
+    batch.AddSequence(pages, 1 + i * 9);
+  }
+  RunBoth(batch);
+  batch.ExpectSameOutputs("forks over the index capacity");
+}
+
+TEST_F(CudaBackendTest, BatchesInFlightRunInLaunchOrder) {
+  SKIP_WITHOUT_DEVICE();
+  SetUpBackends({.num_layers = 1, .num_pages = 16, .max_batch_size = 4}, {.max_in_flight = 3});
+  FillPool(9);
+  ASSERT_EQ(gpu_->max_in_flight(), 3);
+  // Every batch rewrites pages 0..3 and reads them: a batch that overtook another would read
+  // the wrong rows.
+  std::vector<std::unique_ptr<TestBatch>> batches;
+  for (int i = 0; i < 12; ++i) {
+    auto batch = std::make_unique<TestBatch>(100 + i);
+    std::vector<int64_t> slots;
+    for (int32_t t = 0; t < 64; ++t) slots.push_back(int64_t{i % 4} * 64 + t);
+    batch->AddWrite(slots);
+    batch->AddSequence({0, 1, 2, 3}, 64);
+    batch->AddSequence({i % 4}, 1 + i);
+    batches.push_back(std::move(batch));
+  }
+  for (auto& b : batches) {
+    ASSERT_TRUE(cpu_->Launch(b->cpu()).ok());
+    ASSERT_TRUE(cpu_->Wait(b->cpu()).ok());
+  }
+  size_t launched = 0, waited = 0;
+  while (waited < batches.size()) {
+    if (launched < batches.size() && launched - waited < 3) {
+      const absl::Status s = gpu_->Launch(batches[launched++]->gpu());
+      ASSERT_TRUE(s.ok()) << s;
+    } else {
+      const absl::Status s = gpu_->Wait(batches[waited++]->gpu());
+      ASSERT_TRUE(s.ok()) << s;
+    }
+  }
+  for (size_t i = 0; i < batches.size(); ++i) {
+    batches[i]->ExpectSameOutputs("in flight, batch " + std::to_string(i));
+  }
+}
+
+TEST_F(CudaBackendTest, KernelSecondsCountsTheAttentionOnly) {
+  SKIP_WITHOUT_DEVICE();
+  SetUpBackends({.num_layers = 1, .num_pages = 64, .max_batch_size = 4});
+  TestBatch writes(10);
+  std::vector<int64_t> slots(64 * 64);
+  std::iota(slots.begin(), slots.end(), 0);
+  writes.AddWrite(slots);
+  BackendBatch* w = writes.gpu();
+  ASSERT_TRUE(gpu_->Launch(w).ok());
+  ASSERT_TRUE(gpu_->Wait(w).ok());
+  EXPECT_EQ(w->kernel_seconds, 0.0);
+
+  TestBatch decode(11);
+  std::vector<int32_t> pages(64);
+  std::iota(pages.begin(), pages.end(), 0);
+  decode.AddSequence(pages, 64);
+  BackendBatch* d = decode.gpu();
+  ASSERT_TRUE(gpu_->Launch(d).ok());
+  ASSERT_TRUE(gpu_->Wait(d).ok());
+  EXPECT_GT(d->kernel_seconds, 0.0);
+  EXPECT_LT(d->kernel_seconds, 0.1);
+}
+
+TEST_F(CudaBackendTest, ABadBatchIsInternalAndLeavesTheBackendWorking) {
+  SKIP_WITHOUT_DEVICE();
+  SetUpBackends({.num_layers = 1, .num_pages = 8, .max_batch_size = 4});
+  FillPool(12);
+  TestBatch bad(13);
+  bad.AddWrite({8 * 64});  // one past the last slot
+  EXPECT_EQ(gpu_->Launch(bad.gpu()).code(), absl::StatusCode::kInternal);
+  TestBatch bad_page(14);
+  bad_page.AddSequence({8}, 1);
+  EXPECT_EQ(gpu_->Launch(bad_page.gpu()).code(), absl::StatusCode::kInternal);
+
+  TestBatch good(15);
+  good.AddSequence({0, 5, 7}, 20);
+  RunBoth(good);
+  good.ExpectSameOutputs("after a refused batch");
+}
+
+TEST_F(CudaBackendTest, ContractViolationsAreRefused) {
+  SKIP_WITHOUT_DEVICE();
+  SetUpBackends({.num_layers = 1, .num_pages = 8, .max_batch_size = 4}, {.max_in_flight = 1});
+  EXPECT_EQ(gpu_->Init(shape_).code(), absl::StatusCode::kFailedPrecondition);
+  TestBatch a(16), b(17);
+  a.AddSequence({}, 1);
+  b.AddSequence({}, 1);
+  EXPECT_EQ(gpu_->Wait(a.gpu()).code(), absl::StatusCode::kInternal);  // nothing launched
+  ASSERT_TRUE(gpu_->Launch(a.gpu()).ok());
+  EXPECT_EQ(gpu_->Launch(b.gpu()).code(), absl::StatusCode::kInternal);  // over max_in_flight
+  ASSERT_TRUE(gpu_->Wait(a.gpu()).ok());
+  // An empty sequence: output 0, lse -inf.
+  EXPECT_EQ(a.gpu()->output[0][0], 0);
+  EXPECT_TRUE(std::isinf(a.gpu()->lse[0][0]));
+}
+
+TEST(CudaBackendCreateTest, RejectsBadOptionsAndShapes) {
+  SKIP_WITHOUT_DEVICE();
+  EXPECT_EQ(CudaBackend::Create({.max_in_flight = 0}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CudaBackend::Create({.max_in_flight = 5}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CudaBackend::Create({.device = 1000}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto backend = CudaBackend::Create({});
+  ASSERT_TRUE(backend.ok());
+  EXPECT_EQ((*backend)->Init({.num_layers = 0, .num_pages = 8, .max_batch_size = 4}).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CudaBackendCreateTest, TooLargeAPoolIsResourceExhausted) {
+  SKIP_WITHOUT_DEVICE();
+  auto backend = CudaBackend::Create({});
+  ASSERT_TRUE(backend.ok());
+  // 2 x 2^31 x 64 KiB: far beyond any device.
+  const absl::Status s =
+      (*backend)->Init({.num_layers = 2, .num_pages = (int64_t{1} << 30) - 1, .max_batch_size = 4});
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+}
+
+TEST(CudaBackendCreateTest, PagesThatFitLeaveTheRestOfTheMemory) {
+  SKIP_WITHOUT_DEVICE();
+  auto fit = CudaBackend::PagesThatFit({}, 2, 64, 0.5);
+  ASSERT_TRUE(fit.ok()) << fit.status();
+  EXPECT_GT(fit->num_pages, 0);
+  EXPECT_LE(fit->num_pages * 2 * 2 * k::kPageElems * 2, fit->free_bytes / 2);
+  EXPECT_LE(fit->free_bytes, fit->total_bytes);
+  EXPECT_EQ(CudaBackend::PagesThatFit({}, 2, 64, 0.0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CudaBackend::PagesThatFit({}, 2, 64, 1.5).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// The engine end to end on both backends: prefills staged in rounds, two layers, fork with copy
+// on write, decode steps, and many Decodes in flight at once.
+absl::StatusOr<int64_t> AppendSync(Engine& engine, AppendWork work) {
+  std::promise<absl::StatusOr<int64_t>> done;
+  std::future<absl::StatusOr<int64_t>> result = done.get_future();
+  engine.Append(std::move(work), [&done](absl::StatusOr<int64_t> r) { done.set_value(std::move(r)); });
+  return result.get();
+}
+
+std::future<absl::StatusOr<DecodeOutput>> DecodeAsync(Engine& engine, DecodeWork work) {
+  auto done = std::make_shared<std::promise<absl::StatusOr<DecodeOutput>>>();
+  std::future<absl::StatusOr<DecodeOutput>> result = done->get_future();
+  engine.Decode(std::move(work), [done](absl::StatusOr<DecodeOutput> r) { done->set_value(std::move(r)); });
+  return result;
+}
+
+void ExpectSameDecode(const DecodeOutput& cpu, const DecodeOutput& gpu, int32_t b,
+                      const std::string& what) {
+  ASSERT_EQ(cpu.output.size(), gpu.output.size());
+  ASSERT_EQ(cpu.lse.size(), gpu.lse.size());
+  const std::vector<uint16_t> co = testing::Bf16FromBytes(cpu.output);
+  const std::vector<uint16_t> go = testing::Bf16FromBytes(gpu.output);
+  const std::vector<float> cl = testing::FloatsFromBytes(cpu.lse);
+  const std::vector<float> gl = testing::FloatsFromBytes(gpu.lse);
+  ExpectSameOutputs(co.data(), cl.data(), go.data(), gl.data(), b, what);
+}
+
+TEST(CudaEngineTest, TheEngineGivesTheSameResultsOnBothBackends) {
+  SKIP_WITHOUT_DEVICE();
+  const Engine::Options options{.num_layers = 2, .num_pages = 64, .max_batch_size = 8,
+                                .max_queue_delay = absl::Microseconds(100)};
+  auto cpu_backend = CpuBackend::Create({.num_threads = 2});
+  ASSERT_TRUE(cpu_backend.ok());
+  auto gpu_backend = CudaBackend::Create({.staged_tokens = 100});
+  ASSERT_TRUE(gpu_backend.ok());
+  auto cpu = Engine::Create(options, *std::move(cpu_backend), nullptr);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto gpu = Engine::Create(options, *std::move(gpu_backend), nullptr);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  Engine* engines[2] = {cpu->get(), gpu->get()};
+  EXPECT_EQ(engines[1]->config().backend, "cuda");
+
+  std::mt19937_64 rng(20);
+  const std::vector<int32_t> lengths = {1, 100, 300, 64};
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    const uint64_t id = i + 1;
+    for (Engine* e : engines) ASSERT_TRUE(e->CreateSequence(id).ok());
+    for (int32_t layer = 0; layer < 2; ++layer) {
+      const std::string kk = testing::ToBytes(RandomBf16(int64_t{lengths[i]} * k::kTokenElems, rng));
+      const std::string vv = testing::ToBytes(RandomBf16(int64_t{lengths[i]} * k::kTokenElems, rng));
+      for (Engine* e : engines) {
+        AppendWork w;
+        w.sequence_id = id;
+        w.layer = layer;
+        w.num_tokens = lengths[i];
+        w.k = kk;
+        w.v = vv;
+        auto len = AppendSync(*e, std::move(w));
+        ASSERT_TRUE(len.ok()) << len.status();
+      }
+    }
+  }
+  // Sequence 5 shares sequence 2's pages, its partial last page included: its first step
+  // copies that page on write.
+  for (Engine* e : engines) ASSERT_TRUE(e->ForkSequence(2, 5).ok());
+  const std::vector<uint64_t> ids = {1, 2, 3, 4, 5};
+  for (int step = 0; step < 3; ++step) {
+    for (int32_t layer = 0; layer < 2; ++layer) {
+      DecodeWork w;
+      w.layer = layer;
+      w.sequence_ids = ids;
+      w.q = testing::ToBytes(RandomBf16(5 * k::kQueryElems, rng));
+      w.k = testing::ToBytes(RandomBf16(5 * k::kTokenElems, rng));
+      w.v = testing::ToBytes(RandomBf16(5 * k::kTokenElems, rng));
+      auto c = DecodeAsync(*engines[0], w).get();
+      auto g = DecodeAsync(*engines[1], w).get();
+      ASSERT_TRUE(c.ok()) << c.status();
+      ASSERT_TRUE(g.ok()) << g.status();
+      ExpectSameDecode(*c, *g, 5, "step " + std::to_string(step) + " layer " + std::to_string(layer));
+    }
+  }
+  // Many attend-only Decodes at once: several batches in flight on the GPU.
+  std::vector<DecodeWork> works;
+  for (int i = 0; i < 40; ++i) {
+    DecodeWork w;
+    w.layer = i % 2;
+    w.sequence_ids = {static_cast<uint64_t>(1 + i % 5), static_cast<uint64_t>(1 + (i + 2) % 5)};
+    w.q = testing::ToBytes(RandomBf16(2 * k::kQueryElems, rng));
+    works.push_back(std::move(w));
+  }
+  std::vector<std::future<absl::StatusOr<DecodeOutput>>> cpu_results, gpu_results;
+  for (const DecodeWork& w : works) cpu_results.push_back(DecodeAsync(*engines[0], w));
+  for (const DecodeWork& w : works) gpu_results.push_back(DecodeAsync(*engines[1], w));
+  for (size_t i = 0; i < works.size(); ++i) {
+    auto c = cpu_results[i].get();
+    auto g = gpu_results[i].get();
+    ASSERT_TRUE(c.ok()) << c.status();
+    ASSERT_TRUE(g.ok()) << g.status();
+    ExpectSameDecode(*c, *g, 2, "attend-only " + std::to_string(i));
+  }
+  EXPECT_TRUE(engines[1]->health().ok());
+  EXPECT_GT(engines[1]->GetStats().batches, 0);
+}
+
+}  // namespace
+}  // namespace pagedattn

@@ -1,0 +1,307 @@
+#include "server/backend/cuda_staging.h"
+
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "pagedattn/kernels/decode.h"
+
+namespace pagedattn {
+namespace {
+
+namespace k = kernels;
+
+StagingCapacity Cap(int32_t seqs, int64_t copies, int64_t tokens, int64_t indices) {
+  StagingCapacity c;
+  c.max_sequences = seqs;
+  c.max_page_copies = copies;
+  c.max_tokens = tokens;
+  c.max_kv_indices = indices;
+  return c;
+}
+
+std::vector<int32_t> Indptr(const std::vector<int32_t>& pages) {
+  std::vector<int32_t> indptr{0};
+  for (int32_t p : pages) indptr.push_back(indptr.back() + p);
+  return indptr;
+}
+
+// Every copy, token and sequence in exactly one round, in order, and phases never go back.
+void ExpectCoversInPhaseOrder(const std::vector<Round>& rounds, int64_t copies, int64_t tokens,
+                              int32_t seqs) {
+  int64_t c = 0, t = 0;
+  int32_t s = 0;
+  for (const Round& r : rounds) {
+    EXPECT_EQ(r.copy_begin, c);
+    EXPECT_EQ(r.token_begin, t);
+    EXPECT_EQ(r.seq_begin, s);
+    EXPECT_TRUE(r.num_copies() > 0 || r.num_tokens() > 0 || r.num_sequences() > 0);
+    if (r.num_tokens() > 0) {
+      EXPECT_EQ(r.copy_end, copies) << "writes before every copy is done";
+    }
+    if (r.num_sequences() > 0) {
+      EXPECT_EQ(r.copy_end, copies);
+      EXPECT_EQ(r.token_end, tokens) << "attention before every write is done";
+    }
+    c = r.copy_end;
+    t = r.token_end;
+    s = r.seq_end;
+  }
+  EXPECT_EQ(c, copies);
+  EXPECT_EQ(t, tokens);
+  EXPECT_EQ(s, seqs);
+}
+
+TEST(StagingCapacityTest, FollowsThePoolShape) {
+  const StagingCapacity c =
+      StagingCapacity::For({.num_layers = 2, .num_pages = 1000, .max_batch_size = 64}, 8192);
+  EXPECT_EQ(c.max_sequences, 64);
+  EXPECT_EQ(c.max_page_copies, 64);
+  EXPECT_EQ(c.max_tokens, 8192);
+  EXPECT_EQ(c.max_kv_indices, 2000);  // min(64 sequences, 2 layers) x 1000 pages
+}
+
+TEST(StagingCapacityTest, ADecodeStepAlwaysFitsOneRound) {
+  const StagingCapacity c =
+      StagingCapacity::For({.num_layers = 80, .num_pages = 100, .max_batch_size = 512}, 16);
+  EXPECT_EQ(c.max_tokens, 512);          // raised to max_batch_size
+  EXPECT_EQ(c.max_kv_indices, 80 * 100); // bounded by the layers, not the batch
+  EXPECT_GE(c.max_kv_indices, 100);      // one sequence of every page fits
+}
+
+TEST(StagingCapacityTest, ArenaHoldsAnyRoundWithinCapacity) {
+  const StagingCapacity c = Cap(64, 64, 8192, 4096);
+  const RoundLayout full = LayoutRound(64, 4096, 64, 8192);
+  EXPECT_EQ(c.ArenaBytes(), full.bytes);
+  EXPECT_LE(LayoutRound(1, 1, 1, 1).bytes, c.ArenaBytes());
+  EXPECT_LE(LayoutRound(64, 4096, 0, 0).bytes, c.ArenaBytes());
+  EXPECT_EQ(c.OutputBytes(), 64 * (k::kQueryElems * 2 + k::kNumQoHeads * 4));
+}
+
+TEST(RoundLayoutTest, PartsAreAlignedAndDisjoint) {
+  const RoundLayout l = LayoutRound(3, 7, 5, 11);
+  for (int64_t off : {l.q, l.indices, l.copies, l.slots, l.k_rows, l.v_rows}) {
+    EXPECT_EQ(off % RoundLayout::kAlignment, 0);
+  }
+  EXPECT_EQ(l.q, 0);
+  EXPECT_GE(l.indices, 3 * k::kQueryElems * 2);
+  EXPECT_GE(l.copies, l.indices + 7 * 4);
+  EXPECT_GE(l.slots, l.copies + 5 * 8);
+  EXPECT_GE(l.k_rows, l.slots + 11 * 8);
+  EXPECT_GE(l.v_rows, l.k_rows + 11 * k::kTokenElems * 2);
+  EXPECT_EQ(l.bytes, l.v_rows + 11 * k::kTokenElems * 2);
+}
+
+TEST(RoundLayoutTest, EmptyPartsTakeNoSpace) {
+  const RoundLayout l = LayoutRound(2, 0, 0, 0);
+  EXPECT_EQ(l.bytes, 2 * k::kQueryElems * 2);
+  EXPECT_EQ(LayoutRound(0, 0, 0, 0).bytes, 0);
+}
+
+TEST(OutputLayoutTest, LseFollowsTheOutputRows) {
+  EXPECT_EQ(LseOffset(3), 3 * 24 * 128 * 2);
+  EXPECT_EQ(OutputBytes(3), 3 * 24 * 128 * 2 + 3 * 24 * 4);
+  EXPECT_EQ(LseOffset(5) % 16, 0);
+}
+
+TEST(SplitRoundsTest, EmptyBatchHasNoRounds) {
+  std::vector<Round> rounds(3);
+  ASSERT_TRUE(SplitRounds(Cap(8, 8, 8, 8), 0, 0, {0}, &rounds).ok());
+  EXPECT_TRUE(rounds.empty());
+}
+
+TEST(SplitRoundsTest, ABatchWithinCapacityIsOneRound) {
+  std::vector<Round> rounds;
+  const std::vector<int32_t> indptr = Indptr({3, 0, 5});
+  ASSERT_TRUE(SplitRounds(Cap(8, 4, 16, 8), 2, 16, indptr, &rounds).ok());
+  ASSERT_EQ(rounds.size(), 1u);
+  EXPECT_EQ(rounds[0].num_copies(), 2);
+  EXPECT_EQ(rounds[0].num_tokens(), 16);
+  EXPECT_EQ(rounds[0].num_sequences(), 3);
+  ExpectCoversInPhaseOrder(rounds, 2, 16, 3);
+}
+
+TEST(SplitRoundsTest, LongWritesAreStagedInRoundsBeforeTheAttention) {
+  std::vector<Round> rounds;
+  const std::vector<int32_t> indptr = Indptr({2, 2});
+  ASSERT_TRUE(SplitRounds(Cap(8, 4, 100, 8), 1, 250, indptr, &rounds).ok());
+  ASSERT_EQ(rounds.size(), 3u);
+  EXPECT_EQ(rounds[0].num_copies(), 1);
+  EXPECT_EQ(rounds[0].num_tokens(), 100);
+  EXPECT_EQ(rounds[0].num_sequences(), 0);
+  EXPECT_EQ(rounds[1].num_tokens(), 100);
+  EXPECT_EQ(rounds[2].num_tokens(), 50);
+  EXPECT_EQ(rounds[2].num_sequences(), 2);  // the attention rides with the last writes
+  ExpectCoversInPhaseOrder(rounds, 1, 250, 2);
+}
+
+TEST(SplitRoundsTest, ManyCopiesComeFirst) {
+  std::vector<Round> rounds;
+  ASSERT_TRUE(SplitRounds(Cap(8, 3, 100, 8), 7, 5, {0}, &rounds).ok());
+  ASSERT_EQ(rounds.size(), 3u);
+  EXPECT_EQ(rounds[0].num_tokens(), 0);
+  EXPECT_EQ(rounds[1].num_tokens(), 0);
+  EXPECT_EQ(rounds[2].num_copies(), 1);
+  EXPECT_EQ(rounds[2].num_tokens(), 5);
+  ExpectCoversInPhaseOrder(rounds, 7, 5, 0);
+}
+
+TEST(SplitRoundsTest, SharedPagesOverTheIndexCapacitySplitBySequence) {
+  std::vector<Round> rounds;
+  // Six forks of a 4-page sequence: 24 page ids, 10 per round.
+  const std::vector<int32_t> indptr = Indptr({4, 4, 4, 4, 4, 4});
+  ASSERT_TRUE(SplitRounds(Cap(8, 8, 8, 10), 0, 0, indptr, &rounds).ok());
+  ASSERT_EQ(rounds.size(), 3u);
+  for (const Round& r : rounds) {
+    EXPECT_EQ(r.num_sequences(), 2);
+    EXPECT_LE(indptr[r.seq_end] - indptr[r.seq_begin], 10);
+  }
+  ExpectCoversInPhaseOrder(rounds, 0, 0, 6);
+}
+
+TEST(SplitRoundsTest, EmptySequencesJoinARound) {
+  std::vector<Round> rounds;
+  const std::vector<int32_t> indptr = Indptr({0, 5, 0, 0, 5, 0});
+  ASSERT_TRUE(SplitRounds(Cap(8, 8, 8, 5), 0, 0, indptr, &rounds).ok());
+  ASSERT_EQ(rounds.size(), 2u);
+  EXPECT_EQ(rounds[0].seq_end, 4);
+  EXPECT_EQ(rounds[1].seq_end, 6);
+  ExpectCoversInPhaseOrder(rounds, 0, 0, 6);
+}
+
+TEST(SplitRoundsTest, RefusesASequenceLargerThanTheCapacity) {
+  std::vector<Round> rounds;
+  EXPECT_EQ(SplitRounds(Cap(8, 8, 8, 4), 0, 0, Indptr({2, 5}), &rounds).code(),
+            absl::StatusCode::kInternal);
+  EXPECT_EQ(SplitRounds(Cap(1, 8, 8, 8), 0, 0, Indptr({1, 1}), &rounds).code(),
+            absl::StatusCode::kInternal);
+}
+
+// Rows whose every element encodes (token, element) so that a misplaced row is visible.
+std::vector<uint16_t> Rows(int32_t n, uint16_t tag) {
+  std::vector<uint16_t> rows(n * k::kTokenElems);
+  for (int32_t t = 0; t < n; ++t) {
+    for (int64_t e = 0; e < k::kTokenElems; ++e) {
+      rows[t * k::kTokenElems + e] = static_cast<uint16_t>(tag + t * 7 + e % 5);
+    }
+  }
+  return rows;
+}
+
+TEST(PackTokensTest, PacksWritesInOrderAcrossRounds) {
+  const std::vector<uint16_t> k1 = Rows(3, 100), v1 = Rows(3, 200);
+  const std::vector<uint16_t> k2 = Rows(4, 300), v2 = Rows(4, 400);
+  BackendBatch batch;
+  batch.write_slots = {50, 51, 52, 7, 8, 9, 10};
+  batch.writes.push_back({k1.data(), v1.data(), 3, 0});
+  batch.writes.push_back({nullptr, nullptr, 0, 3});  // an empty write is skipped
+  batch.writes.push_back({k2.data(), v2.data(), 4, 3});
+  ASSERT_EQ(WrittenTokens(batch), 7);
+
+  TokenCursor cursor;
+  std::vector<int64_t> slots;
+  std::vector<uint16_t> kk, vv;
+  for (int64_t chunk : {2, 4, 1}) {  // rounds of 2, 4 and 1 tokens
+    std::vector<int64_t> s(chunk);
+    std::vector<uint16_t> kr(chunk * k::kTokenElems), vr(chunk * k::kTokenElems);
+    PackTokens(batch, chunk, &cursor, s.data(), kr.data(), vr.data());
+    slots.insert(slots.end(), s.begin(), s.end());
+    kk.insert(kk.end(), kr.begin(), kr.end());
+    vv.insert(vv.end(), vr.begin(), vr.end());
+  }
+  EXPECT_EQ(slots, batch.write_slots);
+  std::vector<uint16_t> want_k = k1, want_v = v1;
+  want_k.insert(want_k.end(), k2.begin(), k2.end());
+  want_v.insert(want_v.end(), v2.begin(), v2.end());
+  EXPECT_EQ(kk, want_k);
+  EXPECT_EQ(vv, want_v);
+  EXPECT_EQ(cursor.write, 3u);
+}
+
+class ValidateBatchTest : public ::testing::Test {
+ protected:
+  ValidateBatchTest() {
+    shape_ = {.num_layers = 2, .num_pages = 10, .max_batch_size = 4};
+    batch_.plan.kv_indptr = {0, 2};
+    batch_.plan.kv_indices = {3, 19};
+    batch_.plan.kv_last_page_len = {5};
+    batch_.q = {q_.data()};
+    batch_.output = {out_.data()};
+    batch_.lse = {lse_.data()};
+    batch_.sm_scale = 0.1f;
+    batch_.write_slots = {0, 2 * 10 * 64 - 1};
+    batch_.writes.push_back({rows_.data(), rows_.data(), 2, 0});
+    batch_.page_copies.push_back({0, 9});
+  }
+  Backend::PoolShape shape_;
+  BackendBatch batch_;
+  std::vector<uint16_t> q_ = std::vector<uint16_t>(k::kQueryElems);
+  std::vector<uint16_t> out_ = std::vector<uint16_t>(k::kQueryElems);
+  std::vector<float> lse_ = std::vector<float>(k::kNumQoHeads);
+  std::vector<uint16_t> rows_ = std::vector<uint16_t>(2 * k::kTokenElems);
+};
+
+TEST_F(ValidateBatchTest, AcceptsAWellFormedBatch) {
+  EXPECT_TRUE(ValidateBatch(batch_, shape_).ok());
+}
+
+TEST_F(ValidateBatchTest, RejectsAPoolPageOutOfRange) {
+  batch_.plan.kv_indices[1] = 20;
+  EXPECT_EQ(ValidateBatch(batch_, shape_).code(), absl::StatusCode::kInternal);
+}
+
+TEST_F(ValidateBatchTest, RejectsASlotOutOfRange) {
+  batch_.write_slots[1] = 2 * 10 * 64;
+  EXPECT_EQ(ValidateBatch(batch_, shape_).code(), absl::StatusCode::kInternal);
+}
+
+TEST_F(ValidateBatchTest, RejectsAPageCopyOutOfTheLayer) {
+  batch_.page_copies[0].dst = 10;  // page ids of a copy are per layer
+  EXPECT_EQ(ValidateBatch(batch_, shape_).code(), absl::StatusCode::kInternal);
+}
+
+TEST_F(ValidateBatchTest, RejectsAWriteBeyondItsSlots) {
+  batch_.writes[0].num_tokens = 3;
+  EXPECT_EQ(ValidateBatch(batch_, shape_).code(), absl::StatusCode::kInternal);
+}
+
+TEST_F(ValidateBatchTest, RejectsMalformedPlans) {
+  BackendBatch bad = batch_;
+  bad.plan.kv_last_page_len[0] = 65;
+  EXPECT_EQ(ValidateBatch(bad, shape_).code(), absl::StatusCode::kInternal);
+  bad = batch_;
+  bad.plan.kv_indptr = {0, 1};
+  EXPECT_EQ(ValidateBatch(bad, shape_).code(), absl::StatusCode::kInternal);
+  bad = batch_;
+  bad.output.clear();
+  EXPECT_EQ(ValidateBatch(bad, shape_).code(), absl::StatusCode::kInternal);
+  bad = batch_;
+  bad.sm_scale = 0.0f;
+  EXPECT_EQ(ValidateBatch(bad, shape_).code(), absl::StatusCode::kInternal);
+}
+
+TEST(PagesThatFitTest, DividesWhatIsLeftAfterTheFixedPart) {
+  EXPECT_EQ(PagesThatFit(1000, 100, 9, 1), 100);
+  EXPECT_EQ(PagesThatFit(1000, 1000, 9, 1), 0);
+  EXPECT_EQ(PagesThatFit(100, 1000, 9, 1), 0);
+  EXPECT_EQ(PagesThatFit(1000, 0, 0, 1), 0);
+}
+
+TEST(PagesThatFitTest, KeepsThePoolIndexInInt32) {
+  constexpr int64_t kHuge = int64_t{1} << 50;
+  EXPECT_EQ(PagesThatFit(kHuge, 0, 1, 1), std::numeric_limits<int32_t>::max());
+  EXPECT_EQ(PagesThatFit(kHuge, 0, 1, 4), std::numeric_limits<int32_t>::max() / 4);
+}
+
+TEST(PagesThatFitTest, AnH200HoldsAboutAMillionPagesOfOneLayer) {
+  // 0.9 of 140 GB, 128 KiB of K+V a page: about 0.96 million pages.
+  const int64_t budget = static_cast<int64_t>(0.9 * 140e9);
+  const int64_t pages = PagesThatFit(budget, int64_t{300} << 20, 2 * k::kPageElems * 2 + 8, 1);
+  EXPECT_GT(pages, 900000);
+  EXPECT_LT(pages, 1000000);
+}
+
+}  // namespace
+}  // namespace pagedattn
