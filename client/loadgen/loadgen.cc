@@ -229,6 +229,16 @@ absl::StatusOr<Json> RunLoad(const LoadGenOptions& o, client::Client* client, st
     return filled;
   }
 
+  {
+    Samples floor;
+    for (int32_t i = 0; i < o.rpc_floor_samples; ++i) {
+      t0 = SteadyClock::now();
+      if (!client->GetModelConfig().ok()) break;
+      floor.Add("rpc_floor", SecondsBetween(t0, SteadyClock::now()));
+    }
+    state.AddSamples(std::move(floor));
+  }
+
   const bool want_metrics = !o.metrics_address.empty();
   Scrape before, after;
   std::string metrics_error;

@@ -45,6 +45,9 @@ struct LoadGenOptions {
   int32_t stream_in_flight = 1;      // stream: requests in flight per stream
   int32_t max_retries = 10;          // UNAVAILABLE answers retried per request
   std::string metrics_address;       // the server's Prometheus host:port; empty: not read
+  // GetModelConfig round trips timed before the timed phase: the RPC floor of this client and
+  // transport (the service answers it without the engine), latency kind "rpc_floor".
+  int32_t rpc_floor_samples = 200;
   int32_t check_sequences = 0;       // sequences sampled for the reference check; 0: off
   int64_t check_decodes = 32;        // sequence-decodes checked at most
   float sm_scale = 0.0f;             // sent in every Decode; 0: the server's default 1/sqrt(128)

@@ -58,6 +58,8 @@ ABSL_FLAG(std::string, arrival, "poisson", "Open loop: poisson | fixed");
 ABSL_FLAG(int32_t, stream_in_flight, 1, "Stream: requests in flight per stream (layers/steps pipelined)");
 ABSL_FLAG(int32_t, max_retries, 10, "Retries of a Decode answered UNAVAILABLE");
 
+ABSL_FLAG(int32_t, rpc_floor_samples, 200,
+          "GetModelConfig round trips timed before the run: this client's RPC floor (latency \"rpc_floor\")");
 ABSL_FLAG(int32_t, check_sequences, 0, "Sequences whose decodes are checked against the CPU reference; 0: off");
 ABSL_FLAG(int64_t, check_decodes, 32, "Sequence-decodes checked at most (spread over the run)");
 ABSL_FLAG(float, sm_scale, 0.0f, "Softmax scale sent with each Decode; 0: the server's 1/sqrt(128)");
@@ -109,6 +111,7 @@ pagedattn::loadgen::LoadGenOptions OptionsFromFlags() {
   o.stream_in_flight = absl::GetFlag(FLAGS_stream_in_flight);
   o.max_retries = absl::GetFlag(FLAGS_max_retries);
   o.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  o.rpc_floor_samples = absl::GetFlag(FLAGS_rpc_floor_samples);
   o.check_sequences = absl::GetFlag(FLAGS_check_sequences);
   o.check_decodes = absl::GetFlag(FLAGS_check_decodes);
   o.sm_scale = absl::GetFlag(FLAGS_sm_scale);

@@ -208,6 +208,10 @@ Json BuildResult(const RunFacts& f, RunState& state) {
   // The kernel's p50 comes from its histogram buckets (three per decade): coarse.
   derived.Set("request_p50_minus_kernel_p50_us", p50_us - kernel_p50_us);
   derived.Set("server_request_mean_minus_kernel_mean_us", server_mean_us - kernel_mean_us);
+  // What is left of the request's p50 once the kernel and this client's RPC floor are taken off.
+  const double floor_p50_us = Get(result, {"latency", "rpc_floor", "p50_us"});
+  derived.Set("rpc_floor_p50_us", floor_p50_us);
+  derived.Set("request_p50_minus_kernel_mean_minus_rpc_floor_us", p50_us - kernel_mean_us - floor_p50_us);
   derived.Set("request_mean_over_kernel_mean", mean_us / kernel_mean_us);
   derived.Set("server_request_mean_over_kernel_mean", server_mean_us / kernel_mean_us);
   derived.Set("kernel_alone_sequence_decodes_per_s", kernel_alone);
