@@ -11,8 +11,10 @@
 #include "absl/strings/str_cat.h"
 #include "client/bf16.h"
 #include "client/client.h"
+#include "client/health/health_probe.h"
 #include "gtest/gtest.h"
 #include "prometheus/metric_family.h"
+#include "server/backend/backend.h"
 #include "server/backend/cpu_backend.h"
 #include "server/engine/engine.h"
 #include "server/metrics/metrics.h"
@@ -199,6 +201,64 @@ TEST_F(ServiceTest, WorkAfterEngineShutdownIsUnavailable) {
   engine_->Shutdown(absl::ZeroDuration());
   EXPECT_EQ(client_->Decode(AttendOnly(1, {1})).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(client_->CreateSequence(2).code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace pagedattn
+
+namespace pagedattn {
+namespace {
+
+// A backend whose every launch fails, as a device error would.
+class FailingBackend final : public Backend {
+ public:
+  std::string_view name() const override { return "cpu"; }
+  absl::Status Init(const PoolShape&) override { return absl::OkStatus(); }
+  int32_t max_in_flight() const override { return 1; }
+  absl::Status Launch(BackendBatch*) override { return absl::InternalError("injected device error"); }
+  absl::Status Wait(BackendBatch*) override { return absl::OkStatus(); }
+};
+
+TEST(ServiceHealthTest, BackendFailureIsInternalAndHealthTurnsNotServing) {
+  Engine::Options options;
+  options.num_pages = 8;
+  auto engine = Engine::Create(options, std::make_unique<FailingBackend>(), nullptr);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  GrpcServer::Options server_options;
+  server_options.address = "127.0.0.1:0";
+  server_options.health_poll_interval = absl::Milliseconds(10);
+  auto server = GrpcServer::Start(server_options, engine->get(), nullptr);
+  ASSERT_TRUE(server.ok()) << server.status();
+  health::ProbeOptions probe;
+  probe.address = absl::StrCat("127.0.0.1:", (*server)->port());
+  probe.service = "pagedattn.v1.PagedAttention";
+  auto before = health::Check(probe);
+  ASSERT_TRUE(before.ok()) << before.status();
+  EXPECT_EQ(*before, "SERVING");
+
+  client::ClientOptions client_options;
+  client_options.target = probe.address;
+  auto c = client::Client::Connect(client_options);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE((*c)->CreateSequence(1).ok());
+  std::mt19937_64 rng(1);
+  const std::string kv = client::RandomNormalBf16(kKvElems, rng);
+  EXPECT_EQ((*c)->AppendKV(1, 0, 1, kv, kv).status().code(), absl::StatusCode::kInternal);
+
+  std::string answer;
+  for (const absl::Time until = absl::Now() + absl::Seconds(5); absl::Now() < until;) {
+    auto now = health::Check(probe);
+    ASSERT_TRUE(now.ok()) << now.status();
+    answer = *now;
+    if (answer == "NOT_SERVING") break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(answer, "NOT_SERVING");
+  auto stats = (*c)->GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_FALSE(stats->healthy());
+  (*server)->Shutdown(absl::Now() + absl::Seconds(2));
+  (*engine)->Shutdown(absl::Seconds(1));
 }
 
 }  // namespace
