@@ -291,6 +291,7 @@ int main(int argc, char** argv) {
   bool cpasync = true;
   bool variants = false;
   bool default_cpasync = false;
+  bool timelines = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--workloads" && i + 1 < argc) path = argv[++i];
@@ -300,10 +301,11 @@ int main(int argc, char** argv) {
     else if (a == "--no-cpasync") cpasync = false;
     else if (a == "--variants") variants = true;
     else if (a == "--default-cpasync") default_cpasync = true;
+    else if (a == "--timelines") timelines = true;
     else {
       std::fprintf(stderr,
                    "usage: %s [--workloads FILE] [--out FILE] [--iters N] [--no-uneven] "
-                   "[--no-cpasync] [--variants] [--default-cpasync]\n",
+                   "[--no-cpasync] [--variants] [--timelines] [--default-cpasync]\n",
                    argv[0]);
       return 2;
     }
@@ -322,9 +324,15 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const double stream_gbps = StreamReadGBps(stream, prop.multiProcessorCount);
 
-  std::unique_ptr<pk::CudaDecoder> tma, cp;
+  std::unique_ptr<pk::CudaDecoder> tma, cp, alt;
   pk::CudaDecoderOptions options;
   CheckStatus(pk::CudaDecoder::Create(options, &tma), "Create (tma)");
+  {
+    // The other merge hand-off (v3 when the default is v4), TMA, timed side by side.
+    pk::CudaDecoderOptions o = options;
+    o.tuning.fast_handoff = !o.tuning.fast_handoff;
+    CheckStatus(pk::CudaDecoder::Create(o, &alt), "Create (alt hand-off)");
+  }
   options.load_path = pk::CudaLoadPath::kCpAsync;
   if (cpasync) CheckStatus(pk::CudaDecoder::Create(options, &cp), "Create (cp.async)");
   std::printf("decoder: %d CTAs, load path %s\n", tma->num_ctas(),
@@ -346,13 +354,15 @@ int main(int argc, char** argv) {
   Flusher flusher(prop.multiProcessorCount);
   std::printf("\nkernel_us: median over %d runs, clean L2 flush (memset + read 256 MiB); "
               "dirty: memset only\n", iters);
-  std::printf("%-22s %5s %6s %9s %9s %9s %9s %8s %7s %7s %7s\n", "workload", "batch", "pages",
-              "tma_us", "tma_dirty", "cpa_us", "cpa_dirty", "GB/s", "of_read", "p10", "p90");
+  std::printf("%-22s %5s %6s %9s %9s %9s %9s %8s %7s %7s %7s %9s\n", "workload", "batch", "pages",
+              "tma_us", "tma_dirty", "cpa_us", "cpa_dirty", "GB/s", "of_read", "p10", "p90",
+              pk::CudaDecoderTuning{}.fast_handoff ? "v3_tma_us" : "v4_tma_us");
   for (const pt::Workload& w : workloads) {
     DeviceInputs in;
     in.Init(w, rng());
     const Timing tc = TimeDecoder(*tma, w, in, flusher, FlushMode::kClean, stream, iters);
     const Timing td = TimeDecoder(*tma, w, in, flusher, FlushMode::kDirty, stream, iters);
+    const Timing ta = TimeDecoder(*alt, w, in, flusher, FlushMode::kClean, stream, iters);
     Timing cc, cd;
     if (cp) {
       cc = TimeDecoder(*cp, w, in, flusher, FlushMode::kClean, stream, iters);
@@ -364,10 +374,10 @@ int main(int argc, char** argv) {
     const double bytes = static_cast<double>(w.Tokens()) * pk::kNumKvHeads * pk::kHeadDim * 2 * 2;
     const double gbps = bytes / (k.median_us * 1e-6) / 1e9;
     const double gbps_dirty = bytes / (kd.median_us * 1e-6) / 1e9;
-    std::printf("%-22s %5d %6zu %9.1f %9.1f %9.1f %9.1f %8.0f %7.3f %7.1f %7.1f\n",
+    std::printf("%-22s %5d %6zu %9.1f %9.1f %9.1f %9.1f %8.0f %7.3f %7.1f %7.1f %9.1f\n",
                 ShortName(w.name).c_str(), w.batch_size, w.kv_indices.size(), tc.median_us,
                 td.median_us, cc.median_us, cd.median_us, gbps, gbps / stream_gbps, k.p10_us,
-                k.p90_us);
+                k.p90_us, ta.median_us);
     std::fprintf(out,
                  "{\"name\": \"%s\", \"workload\": \"%s\", \"batch_size\": %d, "
                  "\"num_kv_indices\": %zu, \"tokens\": %lld, \"kv_bytes\": %.0f, "
@@ -376,12 +386,14 @@ int main(int argc, char** argv) {
                  "\"tma_dirty_us\": %.2f, \"cpasync_us\": %.2f, \"cpasync_dirty_us\": %.2f, "
                  "\"read_gbps\": %.1f, \"read_fraction\": %.4f, \"read_gbps_dirty\": %.1f, "
                  "\"read_fraction_dirty\": %.4f, \"stream_read_gbps\": %.1f, "
-                 "\"plan_host_us\": %.1f, \"iters\": %d}\n",
+                 "\"plan_host_us\": %.1f, \"iters\": %d, \"fast_handoff\": %s, "
+                 "\"alt_handoff_tma_us\": %.2f}\n",
                  ShortName(w.name).c_str(), w.name.c_str(), w.batch_size, w.kv_indices.size(),
                  static_cast<long long>(w.Tokens()), bytes, use_cp ? "cp.async" : "tma",
                  k.median_us, k.p10_us, k.p90_us, kd.median_us, tc.median_us, td.median_us,
                  cc.median_us, cd.median_us, gbps, gbps / stream_gbps, gbps_dirty,
-                 gbps_dirty / stream_gbps, stream_gbps, k.plan_us, iters);
+                 gbps_dirty / stream_gbps, stream_gbps, k.plan_us, iters,
+                 pk::CudaDecoderTuning{}.fast_handoff ? "true" : "false", ta.median_us);
     std::fflush(out);
   }
   if (variants) {
@@ -411,6 +423,9 @@ int main(int argc, char** argv) {
       }
       std::printf("\n");
     }
+  }
+  if (variants || timelines) {
+    std::printf("\ntimelines: default, then cp.async, then the other hand-off (TMA)\n");
     for (const pt::Workload& w : workloads) {
       const std::string sn = ShortName(w.name);
       if (sn != "b1_kv361" && sn != "b2_kv130" && sn != "b16_kv993" && sn != "b16_kv16593" &&
@@ -419,6 +434,7 @@ int main(int argc, char** argv) {
       in.Init(w, rng());
       PrintTimeline(*tma, w, in, flusher, stream);
       if (cp) PrintTimeline(*cp, w, in, flusher, stream);
+      PrintTimeline(*alt, w, in, flusher, stream);
     }
   }
   std::fclose(out);

@@ -292,6 +292,7 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, CudaStream stream) {
   p.counters = d.counters;
   p.scale_log2 = args.sm_scale * 1.4426950408889634f;
   p.skip_attention = d.options.tuning.skip_attention ? 1 : 0;
+  p.fast_handoff = d.options.tuning.fast_handoff ? 1 : 0;
   p.timeline = reinterpret_cast<unsigned long long*>(d.timeline);
 
   const dim3 grid(d.capacity.num_ctas);

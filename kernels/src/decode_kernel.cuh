@@ -48,6 +48,9 @@ struct KernelParams {
   int32_t* counters;           // [groups] pieces finished; zero between launches
   float scale_log2;            // sm_scale * log2(e)
   int32_t skip_attention;      // benchmarking only: move the pages, skip the math
+  int32_t fast_handoff;        // v4 experiment: merge group prefetched with the item, acq_rel
+                               // atomic hand-off, 5 pieces per warp per merge round; 0 (the
+                               // default): the v3 path
   unsigned long long* timeline;  // benchmarking only: [ctas][4] %globaltimer stamps, or null
 };
 
@@ -275,13 +278,12 @@ __device__ void CombineWarpsToOutput(const KernelParams& p, SharedStorage& s, in
 // Warp w takes pieces w, w+4, ...; lane holds dims 4*lane..4*lane+3 of all 6 rows and folds its
 // pieces in with an online log-sum-exp (lse and output loads of three pieces in flight at once);
 // then the 4 warps combine through shared memory like the end of an item.
-__device__ void Merge(const KernelParams& p, SharedStorage& s, int group, int64_t row0, int warp,
+template <int kRound>
+__device__ void Merge(const KernelParams& p, SharedStorage& s, int2 grp, int64_t row0, int warp,
                       int lane) {
-  const int2 grp = __ldg(reinterpret_cast<const int2*>(p.groups + group));
   const int sb = grp.x;
   const int n = grp.y;
   constexpr int kSlotVecs = kPartialFloats / 4;
-  constexpr int kRound = 3;
   const float4* part = reinterpret_cast<const float4*>(p.part_o) + int64_t{sb} * kSlotVecs + lane;
   const float* part_lse = p.part_lse + int64_t{sb} * kGroupSize;
   float m[kGroupSize], l[kGroupSize];
@@ -339,9 +341,10 @@ __device__ void Merge(const KernelParams& p, SharedStorage& s, int group, int64_
 }
 
 // End of an item: combine the 4 warps, then write the output or a partial result.
+// grp: the item's merge group when the v4 hand-off prefetched it with the item.
 __device__ void Finalize(const KernelParams& p, SharedStorage& s, const WorkItem& it,
-                         int64_t row0, int warp, int lane, const float (&o)[16][2], float m,
-                         float l) {
+                         int2 grp, int64_t row0, int warp, int lane, const float (&o)[16][2],
+                         float m, float l) {
   const int g = lane >> 2;
   const int quad = lane & 3;
   const int tid = warp * 32 + lane;
@@ -397,6 +400,24 @@ __device__ void Finalize(const KernelParams& p, SharedStorage& s, const WorkItem
   // The barrier orders every thread's partial stores before thread 0's release fence
   // (cumulativity), so one fence publishes them all before the counter moves.
   ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
+  if (p.fast_handoff) {
+    // v4: one acq_rel atomic (release of this CTA's partial, ordered before it by the barrier,
+    // and acquire of the other pieces' when it is the last) instead of two sc fences; the group
+    // came with the item, so no dependent load of the group table here.
+    if (tid == 0) {
+      int prev;
+      asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;"
+                   : "=r"(prev)
+                   : "l"(p.counters + it.group)
+                   : "memory");
+      const int last = prev == grp.y - 1;
+      if (last) p.counters[it.group] = 0;  // every piece has arrived: ready for the next launch
+      s.is_last = last;
+    }
+    ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
+    if (s.is_last) Merge<5>(p, s, grp, row0, warp, lane);
+    return;
+  }
   if (tid == 0) {
     const int pieces = __ldg(&p.groups[it.group].num_pieces);
     __threadfence();
@@ -409,7 +430,9 @@ __device__ void Finalize(const KernelParams& p, SharedStorage& s, const WorkItem
     s.is_last = last;
   }
   ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
-  if (s.is_last) Merge(p, s, it.group, row0, warp, lane);
+  if (s.is_last) {
+    Merge<3>(p, s, __ldg(reinterpret_cast<const int2*>(p.groups + it.group)), row0, warp, lane);
+  }
 }
 
 __device__ __forceinline__ unsigned long long GlobalTimer() {
@@ -442,6 +465,11 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, const WorkItem&
     if (it.num_pages == 0) {
       WriteEmpty(p, static_cast<int>(row0), tid);
       continue;
+    }
+    // v4: the merge group of a split item is loaded now, in flight while its pages stream.
+    int2 grp = make_int2(0, 0);
+    if (p.fast_handoff && it.slot >= 0) {
+      grp = __ldg(reinterpret_cast<const int2*>(p.groups + it.group));
     }
     float o[16][2];
 #pragma unroll
@@ -481,7 +509,7 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, const WorkItem&
       }
     }
     if (i == count - 1) Stamp(p, tid, 2);
-    Finalize(p, s, it, row0, warp, lane, o, m, l);
+    Finalize(p, s, it, grp, row0, warp, lane, o, m, l);
   }
   Stamp(p, tid, 3);
 }

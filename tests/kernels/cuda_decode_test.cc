@@ -30,11 +30,21 @@ class CudaDecodeTest : public ::testing::Test {
       if (st.ok()) decoders_.push_back(std::move(d));
       else std::fprintf(stderr, "CudaDecoder::Create: %s\n", st.message.c_str());
     }
+    // The other merge hand-off (tuning.fast_handoff flipped), TMA: both stay correct.
+    CudaDecoderOptions options;
+    options.tuning.fast_handoff = !options.tuning.fast_handoff;
+    std::unique_ptr<CudaDecoder> d;
+    const KernelStatus st = CudaDecoder::Create(options, &d);
+    if (st.ok()) decoders_.push_back(std::move(d));
+    else std::fprintf(stderr, "CudaDecoder::Create: %s\n", st.message.c_str());
+  }
+  static const char* Label(size_t i) {
+    return i == 0 ? "tma" : i == 1 ? "cp.async" : "tma-alt";
   }
   static void TearDownTestSuite() { decoders_.clear(); }
   void SetUp() override {
     if (!CudaDecodeDeviceAvailable()) GTEST_SKIP() << "no CUDA device of compute capability 9.0";
-    ASSERT_EQ(decoders_.size(), 2u);
+    ASSERT_EQ(decoders_.size(), 3u);
     ASSERT_EQ(decoders_[0]->load_path(), CudaLoadPath::kTma);
   }
 
@@ -47,8 +57,9 @@ class CudaDecodeTest : public ::testing::Test {
     ASSERT_TRUE(dev.Init(batch, seed, &error)) << error;
     std::vector<double> ref_out, ref_lse;
     ASSERT_TRUE(dev.Reference(&ref_out, &ref_lse, &error)) << error;
-    for (auto& decoder : decoders_) {
-      SCOPED_TRACE(decoder->load_path() == CudaLoadPath::kTma ? "tma" : "cp.async");
+    for (size_t di = 0; di < decoders_.size(); ++di) {
+      auto& decoder = decoders_[di];
+      SCOPED_TRACE(Label(di));
       KernelStatus st = decoder->Plan(batch.indptr.data(), batch.last.data(), batch.size(), nullptr);
       ASSERT_TRUE(st.ok()) << st.message;
       std::vector<uint16_t> first_out;
@@ -64,7 +75,7 @@ class CudaDecodeTest : public ::testing::Test {
         EXPECT_EQ(failure, "") << "seed " << seed << " run " << r;
         std::printf("  %-34s %-8s run %d: worst rel L2 %.2e, worst |lse err| %.2e\n",
                     batch.name.c_str(),
-                    decoder->load_path() == CudaLoadPath::kTma ? "tma" : "cp.async", r, rel,
+                    Label(di), r, rel,
                     lse_err);
         if (r == 0) first_out = out;
         else EXPECT_EQ(out, first_out) << "run " << r << " differs from run 0 (a race?)";

@@ -47,6 +47,10 @@ enum class CudaLoadPath {
 struct CudaDecoderTuning {
   int32_t tma_l2_promotion_bytes = 128;  // L2 fetch granule of the TMA copies: 0, 64, 128, 256
   bool skip_attention = false;           // move every page but skip the math (garbage outputs)
+  // The v4 merge hand-off experiment (kernels/bench/NOTES.md): merge group loaded with the
+  // item, one acq_rel atomic instead of two fences, 5-piece merge rounds. Measured slower than
+  // the v3 path (false, the default); kept selectable for the next round's bisection.
+  bool fast_handoff = false;
 };
 
 struct CudaDecoderOptions {
