@@ -549,6 +549,7 @@ void Engine::Impl::Shutdown(absl::Duration drain_timeout) {
   }
   shutting_down_.store(true);
   batcher_->Close();
+  if (std::this_thread::get_id() == executor_.get_id()) return;  // from a callback: cannot join
   if (executor_.joinable()) executor_.join();
   shut_down_ = true;
   PublishQueueDepth();

@@ -27,6 +27,23 @@
 // commits the tokens (the length grows). A step at layer l > 0 must follow the same sequence's
 // step at layer l-1 with the same num_tokens; anything else is FAILED_PRECONDITION. A Decode
 // without k/v is not a step: it may come at any time and reads the committed tokens only.
+//
+// Details of this implementation (the API above is unchanged):
+// - The engine re-checks what the service validates: a Decode with no sequences, more than
+//   max_batch_size sequences, duplicate ids, wrong q/k/v byte sizes, k without v, or a negative
+//   or non-finite sm_scale is INVALID_ARGUMENT at once (inline); sm_scale 0 means 1/sqrt(128).
+// - Starting a step at layer 0 while one is in progress is FAILED_PRECONDITION, as is any layer
+//   but the expected next one. A multi-sequence Decode is checked for all its sequences first
+//   (ids, layer order, pages summed over all of them) and applied only if all pass; a copy on
+//   write is counted for each sequence whose last page is shared, even when two siblings in the
+//   same request share it (a conservative count, so a nearly full pool may refuse one page early).
+// - Create/Fork after Shutdown are UNAVAILABLE; Release still works (it only returns pages).
+// - Callbacks of admitted work run in admission order (also across batches), failed items
+//   included, so a stream that submits in order is answered in order (work refused at
+//   admission is answered inline).
+// - After a backend error every later Decode/Append fails with INTERNAL without running.
+// - NaN/Inf in q or k/v are not checked here: they flow through the attention (NaN propagates
+//   into that sequence's output), never into another sequence.
 #pragma once
 
 #include <atomic>
@@ -130,6 +147,8 @@ class Engine {
 
   // Stops admission (UNAVAILABLE from then on), lets queued work finish for up to
   // drain_timeout, fails what is left with UNAVAILABLE, and joins the executor. Idempotent.
+  // Called from a callback (the executor thread) it only stops admission; a later call from
+  // another thread (or the destructor) joins.
   void Shutdown(absl::Duration drain_timeout);
 
  private:

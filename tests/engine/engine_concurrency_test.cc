@@ -248,6 +248,23 @@ TEST(EngineConcurrencyTest, DestructorWithWorkQueuedCompletesEveryCallback) {
   EXPECT_EQ(called.load(), 20);
 }
 
+TEST(EngineConcurrencyTest, ShutdownFromACallbackStopsAdmissionWithoutDeadlock) {
+  auto engine = MakeCpuEngine({.num_layers = 1, .num_pages = 8});
+  Model model(1);
+  ASSERT_TRUE(engine->CreateSequence(1).ok());
+  model.Create(1);
+  Event done;
+  engine->Append(model.MakeAppend(1, 0, 2), [&](absl::StatusOr<int64_t> r) {
+    EXPECT_TRUE(r.ok());
+    engine->Shutdown(absl::Seconds(1));
+    done.Notify();
+  });
+  done.Wait();
+  EXPECT_TRUE(absl::IsUnavailable(AppendSync(*engine, model.MakeAppend(1, 0, 1)).status()));
+  engine->Shutdown(absl::Seconds(1));  // joins
+  EXPECT_EQ(engine->GetStats().tokens, 2);
+}
+
 // A backend that defers all work to Wait and allows several batches in flight, like a device
 // backend on a stream; it checks the engine's side of the contract and records how many batches
 // were outstanding at once.
