@@ -118,7 +118,7 @@ struct Slot {
   char* dev_in = nullptr;    // device [ArenaBytes]
   char* host_out = nullptr;  // pinned [OutputBytes]: output rows, then lse rows
   char* dev_out = nullptr;   // device [OutputBytes]
-  cudaEvent_t staged = nullptr;  // a round's copy has left host_in
+  cudaEvent_t staged = nullptr;  // a round of a multi-round batch is done (host_in free again)
   cudaEvent_t start = nullptr;   // around the attention, for kernel_seconds
   cudaEvent_t stop = nullptr;
   cudaEvent_t done = nullptr;    // the whole batch, outputs in host_out
@@ -385,7 +385,6 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
                  reinterpret_cast<uint16_t*>(h + l.v_rows));
     }
     PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, h, l.bytes, cudaMemcpyHostToDevice, stream));
-    if (i + 1 < rounds.size()) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.staged, stream));
 
     if (r.num_copies() > 0) {
       k::PageCopyArgs a;
@@ -432,6 +431,9 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
       a.sm_scale = batch.sm_scale;
       PA_RETURN_IF_ERROR(KernelFailure(slot.decoder->Run(a, stream)));
     }
+    // The next round reuses the arena and re-plans the decoder: it waits for this whole round
+    // (with a timeout, so the decoder's own wait for its previous table copy never blocks).
+    if (i + 1 < rounds.size()) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.staged, stream));
   }
   if (slot.timed) {
     PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.stop, stream));

@@ -12,8 +12,8 @@
 // decoder's Plan (its own table copy) and Run between two timing events, one device-to-host
 // copy of output and lse, and the slot's done event. A batch over a staging capacity (see
 // cuda_staging.h) is staged in several rounds; before re-filling the arena for the next round
-// Launch waits for the previous round's copy to leave it (that waits on the stream: the rare
-// large prefill pays a host stall, the common batch never does). The one stream keeps batches
+// Launch waits for the previous round to finish on the stream (a host stall that only the rare
+// over-capacity batch, such as a long prefill, pays). The one stream keeps batches
 // in launch order. Wait polls the slot's done event (spinning first, then sleeping between
 // polls) and copies the outputs into the batch's rows; kernel_seconds is the event time of the
 // attention.

@@ -3,21 +3,19 @@
 # there, with the bundle made here by server/backend/make_device_bundle.sh:
 #   server/backend/device_e2e.sh [BUNDLE]          (default .device/bundle)
 # Steps, in order (STEPS, default "tests server loadgen"):
-#   tests    every gpu-labelled test binary of the bundle (the CUDA backend's, the kernel's)
+#   tests    the CUDA backend's test binaries (staging unit test, GPU test against the CPU
+#            backend and the engine); with KERNEL_TESTS=1 also the kernel's GPU test (long)
 #   server   pagedattn-server --backend=cuda (pool sized by --gpu_memory_fraction), its health
 #            probe, a CLI round trip and a small loadgen run with the reference check; the
 #            server stays up for the next step
-#   loadgen  client/loadgen/run_h200.sh when it exists, against that server (see below)
-# Then SIGTERM and the server's exit status. Logs go to $OUT (default /tmp/pagedattn-e2e):
-# e2e.log (summary: GPU, each step's result, metrics), tests.log, server.log, smoke.json, and
-# whatever run_h200.sh writes under $OUT/loadgen (the device tool returns 8 files at most,
-# so run_h200.sh may leave at most 4 there).
-# run_h200.sh gets: PAGEDATTN_BIN (the bundle's bin), LD_LIBRARY_PATH, PAGEDATTN_TARGET and
-# PAGEDATTN_METRICS (host:port of the running server), OUT=$OUT/loadgen. With
-# E2E_LOADGEN_OWN_SERVER=1 the server is stopped first (it holds most of the GPU memory) and
-# run_h200.sh starts its own servers from PAGEDATTN_BIN.
-# Environment: SERVER_FLAGS (extra server flags), LOADGEN_TIMEOUT (s, default 420),
-# TEST_TIMEOUT (s per test binary, default 300).
+#   loadgen  client/loadgen/run_h200.sh (the issue-4 figures) against that server
+# Then a last health probe, SIGTERM and the server's exit status. Logs go to $OUT (default
+# /tmp/pagedattn-e2e), 8 files at most (what the device tool returns): e2e.log (summary: GPU,
+# each step's result, server metrics), tests.log, server.log, smoke.json, and from run_h200.sh
+# figures.md, summary.txt, sweep.png and loadgen.tar.gz (its whole output folder).
+# Environment: SERVER_FLAGS (server flags; default one layer, batches of 64, no batching
+# delay, as run_h200.sh asks), QUICK=1 (short loadgen runs), LOADGEN_TIMEOUT (s, default 420),
+# TEST_TIMEOUT (s per test binary, default 300), SMOKE_ARGS (shape of the small loadgen run).
 set -u
 BUNDLE=$(cd "${1:-.device/bundle}" && pwd) || { echo "no bundle" >&2; exit 2; }
 BIN=$BUNDLE/bin
@@ -43,13 +41,16 @@ say "bundle: $(ls "$BIN" | tr '\n' ' ')"
 if has tests; then
   say "== tests"
   : > "$OUT/tests.log"
-  for t in pagedattn_cuda_staging_test pagedattn_cuda_backend_test pagedattn_kernel_gpu_test; do
+  tests=(pagedattn_cuda_staging_test pagedattn_cuda_backend_test)
+  [[ ${KERNEL_TESTS:-0} == 1 ]] && tests+=(pagedattn_kernel_gpu_test)
+  for t in "${tests[@]}"; do
     [[ -x $BIN/$t ]] || { say "skip $t (not in the bundle)"; continue; }
-    echo "=== $t" >> "$OUT/tests.log"
-    timeout "${TEST_TIMEOUT:-300}" "$BIN/$t" --gtest_brief=1 >> "$OUT/tests.log" 2>&1
+    timeout "${TEST_TIMEOUT:-300}" "$BIN/$t" --gtest_brief=1 > "$OUT/test.tmp" 2>&1
     rc=$?
+    { echo "=== $t (rc=$rc)"; cat "$OUT/test.tmp"; } >> "$OUT/tests.log"
     check "$t" $rc
-    grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/tests.log" | tail -3 >> "$LOG"
+    grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]" "$OUT/test.tmp" | sort -u >> "$LOG"
+    rm -f "$OUT/test.tmp"
   done
 fi
 
@@ -59,7 +60,9 @@ metrics=
 start_server() {
   # shellcheck disable=SC2086
   "$BIN/pagedattn-server" --backend=cuda --grpc_address=127.0.0.1:0 \
-    --metrics_address=127.0.0.1:0 ${SERVER_FLAGS:-} > "$OUT/server.log" 2>&1 &
+    --metrics_address=127.0.0.1:0 \
+    ${SERVER_FLAGS:---num_layers=1 --max_batch_size=64 --max_queue_delay_us=0} \
+    > "$OUT/server.log" 2>&1 &
   server_pid=$!
   for _ in $(seq 1 300); do
     line=$(grep -m1 "serving grpc=" "$OUT/server.log" 2> /dev/null) && break
@@ -109,9 +112,9 @@ if has server; then
     check "cli create/append/decode/fork/release" $?
     if [[ -x $BIN/pagedattn-loadgen ]]; then
       timeout 180 "$BIN/pagedattn-loadgen" --target="$grpc" --metrics_address="$metrics" \
-        --batch_size=64 --context_len=4096 --steps=50 --warmup_steps=5 --check_sequences=8 \
-        --out="$OUT/smoke.json" >> "$LOG" 2>&1
-      check "loadgen smoke (64 x 4096 tokens, reference check)" $?
+        ${SMOKE_ARGS:---batch_size=64 --context_len=4096 --steps=50 --warmup_steps=5} \
+        --check_sequences=8 --out="$OUT/smoke.json" >> "$LOG" 2>&1
+      check "loadgen smoke with the reference check" $?
     fi
     scrape
   fi
@@ -122,13 +125,17 @@ if has loadgen; then
   if [[ ! -x client/loadgen/run_h200.sh ]]; then
     say "skip: client/loadgen/run_h200.sh not present"
   else
-    mkdir -p "$OUT/loadgen"
-    [[ ${E2E_LOADGEN_OWN_SERVER:-0} == 1 ]] && stop_server
-    [[ -z $server_pid && ${E2E_LOADGEN_OWN_SERVER:-0} != 1 ]] && start_server
-    PAGEDATTN_BIN=$BIN PAGEDATTN_TARGET=$grpc PAGEDATTN_METRICS=$metrics OUT=$OUT/loadgen \
-      timeout "${LOADGEN_TIMEOUT:-420}" client/loadgen/run_h200.sh >> "$LOG" 2>&1
-    check "client/loadgen/run_h200.sh" $?
-    [[ -n $server_pid ]] && scrape
+    [[ -z $server_pid ]] && start_server
+    if [[ -n $server_pid ]]; then
+      TARGET=$grpc METRICS=$metrics LOADGEN=$BIN/pagedattn-loadgen QUICK=${QUICK:-0} \
+        timeout "${LOADGEN_TIMEOUT:-420}" client/loadgen/run_h200.sh "$OUT/loadgen" >> "$LOG" 2>&1
+      check "client/loadgen/run_h200.sh" $?
+      for f in figures.md summary.txt sweep.png; do
+        [[ -f $OUT/loadgen/$f ]] && cp "$OUT/loadgen/$f" "$OUT/"
+      done
+      tar -czf "$OUT/loadgen.tar.gz" -C "$OUT" loadgen && rm -rf "$OUT/loadgen"
+      scrape
+    fi
   fi
 fi
 
