@@ -5,7 +5,9 @@
 # libraries they need (../shared/tools/device-bundle.sh), debug info stripped.
 #   usage: server/backend/make_device_bundle.sh [BUILD_DIR [BUNDLE_DIR]]
 #          (defaults build-cuda and .device/bundle; .device/ is git-ignored)
-# Environment: JOBS (default 2). Then pass BUNDLE_DIR in the device run's carry list.
+# Environment: JOBS (default 2); SRC (source tree, default this checkout: to bundle exactly the
+# committed HEAD while others edit the tree, `git worktree add /tmp/pa-head HEAD` and set
+# SRC=/tmp/pa-head with a BUILD_DIR of its own). Then carry BUNDLE_DIR in the device run.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 build=${1:-build-cuda}
@@ -14,7 +16,8 @@ jobs=${JOBS:-2}
 tool=${DEVICE_BUNDLE_TOOL:-../shared/tools/device-bundle.sh}
 [[ -x $tool ]] || tool=/work/shared/tools/device-bundle.sh
 
-cmake -S . -B "$build" -DPAGEDATTN_ENABLE_CUDA=ON > "$build.configure.log" 2>&1 ||
+src=${SRC:-.}
+cmake -S "$src" -B "$build" -DPAGEDATTN_ENABLE_CUDA=ON > "$build.configure.log" 2>&1 ||
   { cat "$build.configure.log"; exit 1; }
 grep -q "pagedattn: CUDA kernels ON" "$build.configure.log" ||
   { echo "make_device_bundle: CUDA is not enabled in $build (nvcc missing?)" >&2; exit 1; }
