@@ -12,6 +12,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -26,6 +27,7 @@
 #include "server/backend/cpu_backend.h"
 #include "server/engine/engine.h"
 #include "server/metrics/metrics.h"
+#include "server/service/auth.h"
 #include "server/service/grpc_server.h"
 #if PAGEDATTN_HAVE_CUDA
 // The CUDA backend: CudaDeviceCount(), CudaBackend::Create() and CudaBackend::PagesThatFit().
@@ -33,9 +35,18 @@
 #endif
 
 ABSL_FLAG(std::string, grpc_address, "127.0.0.1:50051",
-          "host:port for gRPC (insecure); port 0 picks a free port");
+          "host:port for gRPC (plaintext unless --tls_cert/--tls_key); port 0 picks a free port");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain of the gRPC server; with --tls_key turns on TLS");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: when set, clients must present a certificate signed by it (mutual TLS)");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "file holding a bearer token every pagedattn.v1 call must carry (authorization: Bearer "
+          "<token>); read once at start; health and reflection are exempt; empty: no check");
 ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9464",
-          "host:port for Prometheus /metrics; port 0 picks a free port; empty disables it");
+          "host:port for Prometheus /metrics (always plaintext, no auth: bind it to a private "
+          "address); port 0 picks a free port; empty disables it");
 ABSL_FLAG(std::string, backend, "auto",
           "auto|cpu|cuda: auto takes cuda when this build has the CUDA backend and a device is "
           "present, else cpu");
@@ -144,6 +155,36 @@ int Fail(std::string_view what, const absl::Status& status) {
   return 1;
 }
 
+// The PEM files and token file named by the flags, read once.
+absl::Status ReadSecurityFlags(GrpcServer::Options* options) {
+  const std::string cert = absl::GetFlag(FLAGS_tls_cert);
+  const std::string key = absl::GetFlag(FLAGS_tls_key);
+  const std::string client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  if (cert.empty() != key.empty()) {
+    return absl::InvalidArgumentError("--tls_cert and --tls_key go together");
+  }
+  if (!client_ca.empty() && cert.empty()) {
+    return absl::InvalidArgumentError("--tls_client_ca needs --tls_cert and --tls_key");
+  }
+  for (auto [path, pem] : {std::pair{&cert, &options->tls.cert_pem},
+                           std::pair{&key, &options->tls.key_pem},
+                           std::pair{&client_ca, &options->tls.client_ca_pem}}) {
+    if (path->empty()) continue;
+    absl::StatusOr<std::string> content = ReadSecretFile(*path);
+    if (!content.ok()) return content.status();
+    *pem = *std::move(content);
+  }
+  const std::string token_file = absl::GetFlag(FLAGS_auth_token_file);
+  if (!token_file.empty()) {
+    absl::StatusOr<std::string> content = ReadSecretFile(token_file);
+    if (!content.ok()) return content.status();
+    absl::StatusOr<std::string> token = ParseToken(*content);
+    if (!token.ok()) return absl::InvalidArgumentError(absl::StrCat(token_file, ": ", token.status().message()));
+    options->auth_token = *std::move(token);
+  }
+  return absl::OkStatus();
+}
+
 int Serve() {
   // Block the shutdown signals in every thread (the ones started below inherit the mask); the
   // main thread takes them with sigwait.
@@ -187,6 +228,10 @@ int Serve() {
   if (!engine.ok()) return Fail("engine", engine.status());
 
   GrpcServer::Options server_options;
+  if (absl::Status security = ReadSecurityFlags(&server_options); !security.ok()) {
+    (*engine)->Shutdown(absl::ZeroDuration());
+    return Fail("security flags", security);
+  }
   server_options.address = absl::GetFlag(FLAGS_grpc_address);
   server_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   server_options.stream_max_in_flight = absl::GetFlag(FLAGS_stream_max_in_flight);
@@ -205,6 +250,12 @@ int Serve() {
   std::cout << "pagedattn-server: backend " << backend_name << ", pool " << config.num_layers
             << " layer(s) x " << config.num_pages << " pages (" << pool_gib << " GiB of K+V), "
             << "max_batch_size " << config.max_batch_size << std::endl;
+  std::cout << "pagedattn-server: grpc tls "
+            << (server_options.tls.cert_pem.empty()         ? "off"
+                : server_options.tls.client_ca_pem.empty() ? "on"
+                                                           : "mutual (client certificates required)")
+            << ", bearer token " << (server_options.auth_token.empty() ? "off" : "required")
+            << "; metrics endpoint is plaintext without auth" << std::endl;
   // Tests and scripts read the ports from this line.
   std::cout << "pagedattn-server: serving grpc=" << grpc_host << ":" << (*server)->port()
             << " metrics="

@@ -17,6 +17,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/server.h"
 #include "server/engine/engine.h"
+#include "server/service/auth.h"
 #include "server/service/service.h"
 
 namespace pagedattn {
@@ -26,8 +27,12 @@ class Metrics;
 class GrpcServer {
  public:
   struct Options {
-    // host:port to listen on (insecure); port 0 picks a free port (see port()).
+    // host:port to listen on; port 0 picks a free port (see port()).
     std::string address = "127.0.0.1:50051";
+    // PEM material: none = plaintext; cert+key = TLS; plus client_ca = mutual TLS.
+    TlsFiles tls;
+    // Bearer token for every pagedattn.v1 call (health and reflection exempt); empty: none.
+    std::string auth_token;
     // Receive and send limit per message; larger messages fail with RESOURCE_EXHAUSTED in the
     // transport. 1 KiB .. 2 GiB - 1.
     int64_t max_message_bytes = 64 << 20;
@@ -37,8 +42,8 @@ class GrpcServer {
     absl::Duration health_poll_interval = absl::Milliseconds(200);
   };
 
-  // Builds and starts the server. INVALID_ARGUMENT for bad options, UNAVAILABLE when the
-  // address cannot be bound.
+  // Builds and starts the server. INVALID_ARGUMENT for bad options (TLS: see
+  // ServerCredentialsFor), UNAVAILABLE when the address cannot be bound.
   static absl::StatusOr<std::unique_ptr<GrpcServer>> Start(const Options& options, Engine* engine,
                                                            Metrics* metrics /* nullable */);
   ~GrpcServer();  // Shutdown(absl::Now()) if not yet shut down.

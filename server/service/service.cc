@@ -2,19 +2,45 @@
 
 #include <utility>
 
+#include "server/metrics/metrics.h"
 #include "server/service/decode_stream_reactor.h"
+#include "server/service/status.h"
 #include "server/service/unary_call.h"
 #include "server/service/validation.h"
 
 namespace pagedattn {
 
+namespace {
+
+// A DecodeStream refused before its first read: finishes with `status` at once.
+class RejectedStream final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse> {
+ public:
+  explicit RejectedStream(const grpc::Status& status) { Finish(status); }
+  void OnDone() override { delete this; }
+};
+
+}  // namespace
+
 PagedAttentionService::PagedAttentionService(const Options& options, Engine* engine, Metrics* metrics)
-    : options_(options), engine_(engine), metrics_(metrics), config_(engine->config()) {}
+    : options_(options),
+      engine_(engine),
+      metrics_(metrics),
+      config_(engine->config()),
+      auth_(options.auth_token) {}
+
+bool PagedAttentionService::Authenticate(grpc::CallbackServerContext* context, UnaryCall* call) {
+  absl::Status status = auth_.Check(*context);
+  if (status.ok()) return true;
+  if (metrics_ != nullptr) metrics_->RecordRejected("unauthenticated");
+  call->Complete(status);
+  return false;
+}
 
 grpc::ServerUnaryReactor* PagedAttentionService::GetModelConfig(
     grpc::CallbackServerContext* context, const v1::GetModelConfigRequest* /*request*/,
     v1::GetModelConfigResponse* response) {
   auto* call = new UnaryCall(context, "GetModelConfig", metrics_, &calls_);
+  if (!Authenticate(context, call)) return call;
   response->set_num_qo_heads(config_.num_qo_heads);
   response->set_num_kv_heads(config_.num_kv_heads);
   response->set_head_dim(config_.head_dim);
@@ -32,6 +58,7 @@ grpc::ServerUnaryReactor* PagedAttentionService::CreateSequence(
     grpc::CallbackServerContext* context, const v1::CreateSequenceRequest* request,
     v1::CreateSequenceResponse* /*response*/) {
   auto* call = new UnaryCall(context, "CreateSequence", metrics_, &calls_);
+  if (!Authenticate(context, call)) return call;
   call->Complete(engine_->CreateSequence(request->sequence_id()));
   return call;
 }
@@ -40,6 +67,7 @@ grpc::ServerUnaryReactor* PagedAttentionService::AppendKV(grpc::CallbackServerCo
                                                           const v1::AppendKVRequest* request,
                                                           v1::AppendKVResponse* response) {
   auto* call = new UnaryCall(context, "AppendKV", metrics_, &calls_);
+  if (!Authenticate(context, call)) return call;
   absl::StatusOr<AppendWork> work = ToAppendWork(*request, config_);
   if (!work.ok()) {
     call->Complete(work.status());
@@ -58,6 +86,7 @@ grpc::ServerUnaryReactor* PagedAttentionService::Decode(grpc::CallbackServerCont
                                                         const v1::DecodeRequest* request,
                                                         v1::DecodeResponse* response) {
   auto* call = new UnaryCall(context, "Decode", metrics_, &calls_);
+  if (!Authenticate(context, call)) return call;
   absl::StatusOr<DecodeWork> work = ToDecodeWork(*request, config_);
   if (!work.ok()) {
     call->Complete(work.status());
@@ -80,6 +109,13 @@ grpc::ServerUnaryReactor* PagedAttentionService::Decode(grpc::CallbackServerCont
 
 grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse>* PagedAttentionService::DecodeStream(
     grpc::CallbackServerContext* context) {
+  if (absl::Status status = auth_.Check(*context); !status.ok()) {
+    if (metrics_ != nullptr) {
+      metrics_->RecordRejected("unauthenticated");
+      metrics_->RecordRequest("DecodeStream", StatusCodeName(status.code()), 0.0);
+    }
+    return new RejectedStream(ToGrpcStatus(status));
+  }
   return new DecodeStreamReactor(context, engine_, config_, metrics_, &calls_,
                                  options_.stream_max_in_flight);
 }
@@ -88,6 +124,7 @@ grpc::ServerUnaryReactor* PagedAttentionService::ForkSequence(grpc::CallbackServ
                                                               const v1::ForkSequenceRequest* request,
                                                               v1::ForkSequenceResponse* /*response*/) {
   auto* call = new UnaryCall(context, "ForkSequence", metrics_, &calls_);
+  if (!Authenticate(context, call)) return call;
   call->Complete(engine_->ForkSequence(request->parent_id(), request->child_id()));
   return call;
 }
@@ -96,6 +133,7 @@ grpc::ServerUnaryReactor* PagedAttentionService::ReleaseSequence(
     grpc::CallbackServerContext* context, const v1::ReleaseSequenceRequest* request,
     v1::ReleaseSequenceResponse* /*response*/) {
   auto* call = new UnaryCall(context, "ReleaseSequence", metrics_, &calls_);
+  if (!Authenticate(context, call)) return call;
   call->Complete(engine_->ReleaseSequence(request->sequence_id()));
   return call;
 }
@@ -104,6 +142,7 @@ grpc::ServerUnaryReactor* PagedAttentionService::GetStats(grpc::CallbackServerCo
                                                           const v1::GetStatsRequest* /*request*/,
                                                           v1::GetStatsResponse* response) {
   auto* call = new UnaryCall(context, "GetStats", metrics_, &calls_);
+  if (!Authenticate(context, call)) return call;
   const EngineStats stats = engine_->GetStats();
   response->set_pages_total(stats.pages_total);
   response->set_pages_free(stats.pages_free);

@@ -11,14 +11,17 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "pagedattn/v1/pagedattn.grpc.pb.h"
+#include "server/service/auth.h"
 #include "server/service/call_counter.h"
 #include "server/engine/engine.h"
 
 namespace pagedattn {
 
 class Metrics;
+class UnaryCall;
 
 class PagedAttentionService final : public v1::PagedAttention::CallbackService {
  public:
@@ -27,6 +30,10 @@ class PagedAttentionService final : public v1::PagedAttention::CallbackService {
     int64_t max_message_bytes = 64 << 20;
     // DecodeStream: requests read ahead and in flight per stream (> 0).
     int32_t stream_max_in_flight = 32;
+    // Bearer token every call must carry ("authorization: Bearer <token>"); empty: no check.
+    // Checked first in every handler (see server/service/auth.h); failures are UNAUTHENTICATED
+    // and counted as pagedattn_rejected_requests_total{reason="unauthenticated"}.
+    std::string auth_token;
   };
 
   PagedAttentionService(const Options& options, Engine* engine, Metrics* metrics /* nullable */);
@@ -62,7 +69,11 @@ class PagedAttentionService final : public v1::PagedAttention::CallbackService {
   const Options options_;
   Engine* const engine_;
   Metrics* const metrics_;
+  // False after completing `call` with UNAUTHENTICATED when the token check fails.
+  bool Authenticate(grpc::CallbackServerContext* context, UnaryCall* call);
+
   const ModelConfig config_;  // fixed for the engine's life
+  const TokenChecker auth_;
   CallCounter calls_;
 };
 
