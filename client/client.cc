@@ -1,6 +1,8 @@
 #include "client/client.h"
 
+#include <fstream>
 #include <limits>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -35,6 +37,38 @@ absl::Status DecodeStream::Finish() {
   return FromGrpcStatus(stream_->Finish());
 }
 
+namespace {
+
+absl::StatusOr<std::string> ReadPem(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream content;
+  if (in) content << in.rdbuf();
+  if (!in || in.bad()) return absl::InvalidArgumentError(absl::StrCat("cannot read ", path));
+  return content.str();
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
+    const ClientOptions& options) {
+  const bool tls = options.tls || !options.tls_ca_file.empty() || !options.tls_cert_file.empty() ||
+                   !options.tls_key_file.empty();
+  if (!tls) return grpc::InsecureChannelCredentials();
+  if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("a client certificate needs its key (and the other way round)");
+  }
+  grpc::SslCredentialsOptions ssl;
+  for (auto [path, pem] : {std::pair{&options.tls_ca_file, &ssl.pem_root_certs},
+                           std::pair{&options.tls_cert_file, &ssl.pem_cert_chain},
+                           std::pair{&options.tls_key_file, &ssl.pem_private_key}}) {
+    if (path->empty()) continue;
+    absl::StatusOr<std::string> content = ReadPem(*path);
+    if (!content.ok()) return content.status();
+    *pem = *std::move(content);
+  }
+  return grpc::SslCredentials(ssl);
+}
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   if (options.target.empty()) return absl::InvalidArgumentError("empty target");
   if (options.max_message_bytes < 1024 ||
@@ -42,11 +76,16 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     return absl::InvalidArgumentError(absl::StrCat("max_message_bytes must be in [1024, 2^31), got ",
                                                    options.max_message_bytes));
   }
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      ChannelCredentialsFor(options);
+  if (!credentials.ok()) return credentials.status();
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
-  auto channel =
-      grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  if (!options.tls_server_name.empty()) {
+    args.SetSslTargetNameOverride(options.tls_server_name);
+  }
+  auto channel = grpc::CreateCustomChannel(options.target, *credentials, args);
   return std::unique_ptr<Client>(new Client(options, std::move(channel)));
 }
 
@@ -61,8 +100,15 @@ absl::Status Client::WaitForConnected(absl::Duration timeout) {
       absl::StrCat("not connected to ", options_.target, " within ", absl::FormatDuration(timeout)));
 }
 
+void Client::Authorize(grpc::ClientContext* context) const {
+  if (!options_.bearer_token.empty()) {
+    context->AddMetadata("authorization", "Bearer " + options_.bearer_token);
+  }
+}
+
 std::unique_ptr<grpc::ClientContext> Client::NewContext() const {
   auto context = std::make_unique<grpc::ClientContext>();
+  Authorize(context.get());
   if (options_.timeout > absl::ZeroDuration()) {
     context->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
   }
@@ -136,6 +182,7 @@ absl::StatusOr<v1::GetStatsResponse> Client::GetStats() {
 
 std::unique_ptr<DecodeStream> Client::OpenDecodeStream() {
   auto context = std::make_unique<grpc::ClientContext>();
+  Authorize(context.get());
   context->set_wait_for_ready(options_.wait_for_ready);
   auto stream = stub_->DecodeStream(context.get());
   return std::make_unique<DecodeStream>(std::move(context), std::move(stream));

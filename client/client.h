@@ -17,6 +17,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
+#include "grpcpp/security/credentials.h"
 #include "grpcpp/support/sync_stream.h"
 #include "pagedattn/v1/pagedattn.grpc.pb.h"
 
@@ -31,7 +32,22 @@ struct ClientOptions {
   absl::Duration timeout = absl::Seconds(60);
   // Wait for the channel to connect instead of failing fast with UNAVAILABLE.
   bool wait_for_ready = false;
+  // TLS: on when `tls` is set or any tls_*_file is given. The server is verified against
+  // tls_ca_file (PEM; empty: the system's roots); tls_cert_file + tls_key_file (PEM) are the
+  // client certificate for a server that requires mutual TLS.
+  bool tls = false;
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // Overrides the name the server certificate is checked against (default: the target's host).
+  std::string tls_server_name;
+  // Sent on every call as "authorization: Bearer <token>" when not empty.
+  std::string bearer_token;
 };
+
+// The channel credentials `options` ask for: insecure, or TLS with the PEM files read now.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
+    const ClientOptions& options);
 
 // grpc::Status -> absl::Status, code for code.
 absl::Status FromGrpcStatus(const grpc::Status& status);
@@ -60,8 +76,9 @@ class DecodeStream {
 
 class Client {
  public:
-  // Creates the channel (connecting lazily). INVALID_ARGUMENT for an empty target or a message
-  // limit outside [1 KiB, 2 GiB).
+  // Creates the channel (connecting lazily). INVALID_ARGUMENT for an empty target, a message
+  // limit outside [1 KiB, 2 GiB), only one of tls_cert_file/tls_key_file, or an unreadable
+  // TLS file.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
 
   // Blocks until the channel is connected; DEADLINE_EXCEEDED after `timeout`.
@@ -86,6 +103,7 @@ class Client {
 
  private:
   Client(const ClientOptions& options, std::shared_ptr<grpc::Channel> channel);
+  void Authorize(grpc::ClientContext* context) const;
 
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
