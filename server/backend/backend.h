@@ -101,4 +101,9 @@ class Backend {
   virtual absl::Status Wait(BackendBatch* batch) = 0;
 };
 
+// Checks a batch against the pool shape before any backend touches memory: every page id,
+// slot and size in range, the plan well formed. INTERNAL with what is wrong. Both backends call
+// it first (on a device a bad page id is a fault that ends the context).
+absl::Status ValidateBatch(const BackendBatch& batch, const Backend::PoolShape& shape);
+
 }  // namespace pagedattn

@@ -119,51 +119,6 @@ void PackTokens(const BackendBatch& batch, int64_t count, TokenCursor* cursor, i
   }
 }
 
-absl::Status ValidateBatch(const BackendBatch& batch, const Backend::PoolShape& shape) {
-  const int64_t pool_pages = int64_t{shape.num_layers} * shape.num_pages;
-  for (const PageCopy& c : batch.page_copies) {
-    if (c.src < 0 || c.src >= shape.num_pages || c.dst < 0 || c.dst >= shape.num_pages) {
-      return absl::InternalError(absl::StrCat("page copy ", c.src, " -> ", c.dst, " out of range"));
-    }
-  }
-  const int64_t num_slots = pool_pages * k::kPageSize;
-  for (const TokenWrite& w : batch.writes) {
-    if (w.num_tokens < 0 || w.slot_begin < 0 ||
-        w.slot_begin + w.num_tokens > static_cast<int64_t>(batch.write_slots.size()) ||
-        (w.num_tokens > 0 && (w.k == nullptr || w.v == nullptr))) {
-      return absl::InternalError("malformed token write");
-    }
-  }
-  for (int64_t s : batch.write_slots) {
-    if (s < 0 || s >= num_slots) return absl::InternalError(absl::StrCat("slot ", s, " out of range"));
-  }
-  const Plan& plan = batch.plan;
-  const int32_t b = plan.batch_size();
-  if (b > shape.max_batch_size) {
-    return absl::InternalError(absl::StrCat("batch of ", b, " > max_batch_size"));
-  }
-  if (static_cast<int32_t>(plan.kv_indptr.size()) != b + 1 || plan.kv_indptr[0] != 0 ||
-      plan.kv_indptr[b] != static_cast<int64_t>(plan.kv_indices.size()) ||
-      static_cast<int32_t>(batch.q.size()) != b || static_cast<int32_t>(batch.output.size()) != b ||
-      static_cast<int32_t>(batch.lse.size()) != b) {
-    return absl::InternalError("malformed plan");
-  }
-  for (int32_t i = 0; i < b; ++i) {
-    if (plan.kv_indptr[i + 1] < plan.kv_indptr[i] || plan.kv_last_page_len[i] < 1 ||
-        plan.kv_last_page_len[i] > k::kPageSize || batch.q[i] == nullptr ||
-        batch.output[i] == nullptr || batch.lse[i] == nullptr) {
-      return absl::InternalError("malformed plan");
-    }
-  }
-  for (int32_t page : plan.kv_indices) {
-    if (page < 0 || page >= pool_pages) {
-      return absl::InternalError(absl::StrCat("pool page ", page, " out of range"));
-    }
-  }
-  if (b > 0 && !(batch.sm_scale > 0.0f)) return absl::InternalError("sm_scale must be > 0");
-  return absl::OkStatus();
-}
-
 int64_t PagesThatFit(int64_t budget_bytes, int64_t fixed_bytes, int64_t bytes_per_page,
                      int32_t num_layers) {
   if (budget_bytes <= fixed_bytes || bytes_per_page <= 0 || num_layers <= 0) return 0;

@@ -92,11 +92,6 @@ struct TokenCursor {
 void PackTokens(const BackendBatch& batch, int64_t count, TokenCursor* cursor, int64_t* slots,
                 uint16_t* k_rows, uint16_t* v_rows);
 
-// The checks a device cannot afford to skip (a bad page id there is a fault that ends the
-// context): every page id, slot and size in range, as CpuBackend checks them. INTERNAL with
-// what is wrong.
-absl::Status ValidateBatch(const BackendBatch& batch, const Backend::PoolShape& shape);
-
 // Pages per layer that fit in budget_bytes: each page costs bytes_per_page (K and V of every
 // layer, and whatever staging grows with the pool), after fixed_bytes; clamped so that
 // num_layers * pages < 2^31. 0 when nothing fits.
