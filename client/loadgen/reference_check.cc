@@ -17,7 +17,7 @@ void AppendBytes(std::vector<uint16_t>* to, absl::string_view bytes) {
   const size_t n = bytes.size() / 2;
   const size_t at = to->size();
   to->resize(at + n);
-  std::memcpy(to->data() + at, bytes.data(), n * 2);
+  if (n > 0) std::memcpy(to->data() + at, bytes.data(), n * 2);  // data() is null when empty
 }
 
 std::vector<uint16_t> ToU16(absl::string_view bytes) {
