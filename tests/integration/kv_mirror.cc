@@ -102,8 +102,8 @@ void KvMirror::Apply(const v1::DecodeRequest& request) {
     const int64_t pages = (tokens + 63) / 64;
     std::vector<uint16_t> k_cache(std::max<int64_t>(pages, 1) * 64 * kKvRowElems, 0);
     std::vector<uint16_t> v_cache(k_cache.size(), 0);
-    std::memcpy(k_cache.data(), layer_k.data(), tokens * kKvRowElems * 2);
-    std::memcpy(v_cache.data(), layer_v.data(), tokens * kKvRowElems * 2);
+    if (tokens > 0) std::memcpy(k_cache.data(), layer_k.data(), tokens * kKvRowElems * 2);
+    if (tokens > 0) std::memcpy(v_cache.data(), layer_v.data(), tokens * kKvRowElems * 2);
     std::vector<int32_t> indices(pages);
     for (int64_t p = 0; p < pages; ++p) indices[p] = static_cast<int32_t>(p);
     const int32_t indptr[2] = {0, static_cast<int32_t>(pages)};
