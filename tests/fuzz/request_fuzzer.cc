@@ -1,6 +1,6 @@
 // fuzz_request_validation: bytes -> pagedattn.v1 request messages -> the service's validation
 // (server/service/validation.h) -> the engine, in process, on the CPU backend with a small pool
-// (2 layers x 8 pages, max_batch_size 4) shared by every input.
+// (2 layers x 6 pages, max_batch_size 4) shared by every input.
 //
 // Checked for every message:
 //   - validation accepts exactly the requests the proto contract calls valid (an independent
@@ -19,12 +19,15 @@
 //                 the payload as every request type and validate only); bit 3 "fit": after
 //                 parsing, resize q/k/v to the sizes the message's own sequence_ids or
 //                 num_tokens call for (repeating the bytes given), so that short inputs reach
-//                 the engine.
+//                 the engine; bit 4 "queue": an AppendKV or Decode is submitted without
+//                 waiting for it, so that the next ones share its batch (up to kMaxQueued;
+//                 any other call first waits for everything submitted).
 //   length (2 bytes, little endian), then that many payload bytes: the serialized message.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <limits>
 #include <memory>
@@ -48,10 +51,13 @@ using Code = absl::StatusCode;
 namespace k = kernels;
 
 constexpr int32_t kLayers = 2;
-constexpr int64_t kPages = 8;
+constexpr int64_t kPages = 6;
 constexpr int32_t kMaxBatch = 4;
 constexpr int kMaxRecords = 64;
-constexpr int32_t kMaxFitTokens = 640;  // a little more than the pool (8 pages x 64 tokens)
+constexpr int kMaxQueued = 8;  // below the engine's max_queue_depth (16): never UNAVAILABLE
+// Fitted k/v stay below 128 KiB each: larger blocks are mmapped afresh on every allocation under
+// ASan, which costs more than the rest of an input. Three fitted appends fill the pool.
+constexpr int32_t kMaxFitTokens = 127;
 constexpr int64_t kQueryBytes = int64_t{k::kQueryElems} * 2;
 constexpr int64_t kTokenBytes = int64_t{k::kTokenElems} * 2;
 
@@ -117,8 +123,13 @@ class RequestRun {
     for (int i = 0; i < kMaxRecords && !in.empty(); ++i) {
       const uint8_t tag = in.Byte();
       const bool fit = tag & 0x08;
+      const bool queue = tag & 0x10;
       const std::string_view payload = in.Bytes(in.U16());
-      switch (tag & 0x07) {
+      const int kind = tag & 0x07;
+      // Only Appends and Decodes may wait in the engine's queue: the other calls act at once,
+      // so the work before them must have run for the model's order to hold.
+      if (kind != 1 && kind != 2 && kind < 6) Drain();
+      switch (kind) {
         case 0: Create(payload); break;
         case 1: Append(payload, fit); break;
         case 2: Decode(payload, fit); break;
@@ -127,8 +138,10 @@ class RequestRun {
         case 5: Stats(payload); break;
         default: ParseAsEverything(payload); break;
       }
-      CheckStats("after record ", i);
+      if (!queue || static_cast<int>(pending_.size()) >= kMaxQueued) Drain();
+      if (pending_.empty()) CheckStats("after record ", i);
     }
+    Drain();
     ReleaseEverything();
   }
 
@@ -270,19 +283,19 @@ class RequestRun {
     }
     KvModel::StepResult step;
     const Code want = model_.ApplyStep(r.sequence_id(), r.layer(), r.num_tokens(), &step);
-    std::promise<absl::StatusOr<int64_t>> done;
-    auto future = done.get_future();
-    engine_.Append(*std::move(work), [&done](absl::StatusOr<int64_t> result) {
-      done.set_value(std::move(result));
+    auto done = std::make_shared<std::promise<absl::StatusOr<int64_t>>>();
+    std::shared_future<absl::StatusOr<int64_t>> future = done->get_future().share();
+    engine_.Append(*std::move(work), [done](absl::StatusOr<int64_t> result) {
+      done->set_value(std::move(result));
     });
-    const absl::StatusOr<int64_t> got = future.get();
-    Trace("AppendKV(", r.sequence_id(), ", layer ", r.layer(), ", ", r.num_tokens(), " tokens) -> ",
-          got.status().ToString());
-    FUZZ_CHECK(got.status().code() == want, "AppendKV(", r.sequence_id(), ", layer ", r.layer(),
-               ", ", r.num_tokens(), " tokens): ", got.status().ToString(), ", model ", Name(want));
-    if (got.ok()) {
-      FUZZ_CHECK(*got == step.length, "AppendKV length ", *got, ", model ", step.length);
-    }
+    pending_.push_back([future, want, length = step.length, id = r.sequence_id(), layer = r.layer(),
+                        tokens = r.num_tokens()] {
+      const absl::StatusOr<int64_t>& got = future.get();
+      Trace("AppendKV(", id, ", layer ", layer, ", ", tokens, " tokens) -> ", got.status().ToString());
+      FUZZ_CHECK(got.status().code() == want, "AppendKV(", id, ", layer ", layer, ", ", tokens,
+                 " tokens): ", got.status().ToString(), ", model ", Name(want));
+      if (got.ok()) FUZZ_CHECK(*got == length, "AppendKV length ", *got, ", model ", length);
+    });
   }
 
   void Decode(std::string_view payload, bool fit) {
@@ -315,22 +328,32 @@ class RequestRun {
       FUZZ_CHECK(called, "an invalid Decode was queued");
       return;
     }
-    const std::vector<int64_t> visible = ExpectDecode(r);
+    std::vector<int64_t> visible = ExpectDecode(r);
     const Code want = visible.empty() ? last_decode_error_ : Code::kOk;
-    std::promise<absl::StatusOr<DecodeOutput>> done;
-    auto future = done.get_future();
-    engine_.Decode(*std::move(work), [&done](absl::StatusOr<DecodeOutput> result) {
-      done.set_value(std::move(result));
+    auto done = std::make_shared<std::promise<absl::StatusOr<DecodeOutput>>>();
+    std::shared_future<absl::StatusOr<DecodeOutput>> future = done->get_future().share();
+    engine_.Decode(*std::move(work), [done](absl::StatusOr<DecodeOutput> result) {
+      done->set_value(std::move(result));
     });
-    const absl::StatusOr<DecodeOutput> got = future.get();
-    Trace("Decode(", absl::StrJoin(r.sequence_ids(), ","), ", layer ", r.layer(),
-          r.k().empty() ? ", attend only" : ", step", ") -> ", got.status().ToString());
-    FUZZ_CHECK(got.status().code() == want, "Decode(B ", b, ", layer ", r.layer(),
-               r.k().empty() ? ", attend only" : ", step", "): ", got.status().ToString(),
-               ", model ", Name(want));
+    std::vector<uint64_t> ids(r.sequence_ids().begin(), r.sequence_ids().end());
+    pending_.push_back([future, want, visible = std::move(visible), ids = std::move(ids),
+                        request_id = r.request_id(), layer = r.layer(), step = !r.k().empty()] {
+      CheckDecodeResult(future.get(), want, visible, ids, request_id, layer, step);
+    });
+  }
+
+  static void CheckDecodeResult(const absl::StatusOr<DecodeOutput>& got, Code want,
+                                const std::vector<int64_t>& visible,
+                                const std::vector<uint64_t>& ids, uint64_t request_id,
+                                int32_t layer, bool step) {
+    const int64_t b = static_cast<int64_t>(ids.size());
+    Trace("Decode(", absl::StrJoin(ids, ","), ", layer ", layer, step ? ", step" : ", attend only",
+          ") -> ", got.status().ToString());
+    FUZZ_CHECK(got.status().code() == want, "Decode(", absl::StrJoin(ids, ","), ", layer ", layer,
+               step ? ", step" : ", attend only", "): ", got.status().ToString(), ", model ",
+               Name(want));
     if (!got.ok()) return;
-    FUZZ_CHECK(got->request_id == r.request_id(), "request id ", got->request_id, " for ",
-               r.request_id());
+    FUZZ_CHECK(got->request_id == request_id, "request id ", got->request_id, " for ", request_id);
     FUZZ_CHECK(static_cast<int64_t>(got->output.size()) == b * kQueryBytes &&
                    static_cast<int64_t>(got->lse.size()) == b * k::kNumQoHeads * 4,
                "Decode output ", got->output.size(), " B, lse ", got->lse.size(), " B for B ", b);
@@ -338,14 +361,19 @@ class RequestRun {
       if (visible[i] != 0) continue;
       const char* out = got->output.data() + i * kQueryBytes;
       FUZZ_CHECK(std::all_of(out, out + kQueryBytes, [](char c) { return c == 0; }),
-                 "sequence ", r.sequence_ids(i), " has no tokens but a non-zero output");
+                 "sequence ", ids[i], " has no tokens but a non-zero output");
       for (int h = 0; h < k::kNumQoHeads; ++h) {
         float lse;
         std::memcpy(&lse, got->lse.data() + (i * k::kNumQoHeads + h) * 4, 4);
-        FUZZ_CHECK(std::isinf(lse) && lse < 0, "sequence ", r.sequence_ids(i),
-                   " has no tokens but lse ", lse);
+        FUZZ_CHECK(std::isinf(lse) && lse < 0, "sequence ", ids[i], " has no tokens but lse ", lse);
       }
     }
+  }
+
+  // Checks the results of everything submitted, in order.
+  void Drain() {
+    for (const auto& check : pending_) check();
+    pending_.clear();
   }
 
   // Applies the Decode to the model as the engine should, all or nothing. Returns the visible
@@ -410,6 +438,8 @@ class RequestRun {
   Engine& engine_;
   const ModelConfig config_;
   KvModel model_;
+  // Appends and Decodes submitted, whose results are still to be checked (in order).
+  std::vector<std::function<void()>> pending_;
   Code last_decode_error_ = Code::kOk;
 };
 

@@ -21,6 +21,7 @@ namespace v1 = pagedattn::v1;
 // request_fuzzer records.
 enum Kind : uint8_t { kCreate = 0, kAppend = 1, kDecode = 2, kFork = 3, kRelease = 4, kStats = 5, kParseAll = 6 };
 constexpr uint8_t kFit = 0x08;
+constexpr uint8_t kQueue = 0x10;
 
 class Records {
  public:
@@ -102,9 +103,11 @@ void RequestSeeds(const std::filesystem::path& dir) {
   // Appends past the pool, all or nothing, and a sequence with no tokens (zeros, lse -inf).
   Write(dir / "seed-exhaustion", Records()
                                      .Create(5).Create(6)
-                                     .Append(5, 0, 600)
-                                     .Append(5, 0, 512).Append(5, 1, 512)
+                                     .Append(5, 0, 127).Append(5, 1, 127)
+                                     .Append(5, 0, 127).Append(5, 1, 127)
+                                     .Append(5, 0, 127).Append(5, 1, 127)
                                      .Append(6, 0, 1)
+                                     .Append(5, 0, 4)
                                      .Decode({5, 6}, 0, true)
                                      .Decode({6}, 1, false)
                                      .Fork(5, 7).Append(7, 0, 1)
@@ -146,6 +149,21 @@ void RequestSeeds(const std::filesystem::path& dir) {
   invalid.Release(1);
   Write(dir / "seed-invalid", invalid.bytes());
   Write(dir / "seed-empty", "");
+  // Queued work: several appends and decodes in one batch, with layers of one sequence, copy
+  // on write and two softmax scales among them.
+  constexpr uint8_t q = kFit | kQueue;
+  Write(dir / "seed-batched", Records()
+                                  .Create(1).Create(2).Create(3)
+                                  .Append(1, 0, 70, q).Append(1, 1, 70, q)
+                                  .Append(2, 0, 5, q).Append(3, 0, 1, q).Append(2, 1, 5, q)
+                                  .Append(3, 1, 1, q)
+                                  .Fork(1, 4)
+                                  .Decode({1, 4}, 0, true, 0.0f, q).Decode({2, 3}, 0, true, 0.25f, q)
+                                  .Decode({1, 4}, 1, true, 0.0f, q).Decode({2, 3}, 1, true, 0.25f, q)
+                                  .Decode({1, 2, 3, 4}, 0, false, 0.0f, q)
+                                  .Decode({4}, 1, false, 0.0f, q).Append(4, 0, 127, q)
+                                  .Append(4, 1, 127, q)
+                                  .bytes());
 }
 
 void KvSeeds(const std::filesystem::path& dir) {
