@@ -1,0 +1,89 @@
+// Reproducer for a DecodeStream ordering race (found by the ASan stage: RpcTest.
+// DecodeStreamAppliesStepsInOrderAndAnswersInOrder fails about once in 15 runs).
+//
+// DecodeStreamReactor::OnReadDone clears reading_ before it submits the message it just read
+// to the engine, outside the lock. If another thread's OnComputed or OnWriteDone runs Plan()
+// in that window, it starts the next read; that message can reach Engine::Decode first. The
+// contract says stream messages are applied in the order sent, so a layer-1 step that
+// overtakes its layer-0 step comes back FAILED_PRECONDITION ("layer 1 before layer 0").
+//
+// Disabled until the reactor is fixed (it fails only sometimes, and CI must stay green):
+//   build/bin/pagedattn_stream_order_test --gtest_also_run_disabled_tests --gtest_repeat=20
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/bf16.h"
+#include "client/client.h"
+#include "gtest/gtest.h"
+#include "server/backend/cpu_backend.h"
+#include "server/engine/engine.h"
+#include "server/service/grpc_server.h"
+
+namespace pagedattn {
+namespace {
+
+TEST(StreamOrderTest, DISABLED_StepsOnOneStreamAreAppliedInTheOrderSent) {
+  auto backend = CpuBackend::Create({.num_threads = 2});
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto engine = Engine::Create({.num_layers = 2, .num_pages = 64, .max_batch_size = 8,
+                                .max_queue_delay = absl::ZeroDuration()},
+                               *std::move(backend), nullptr);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  GrpcServer::Options server_options;
+  server_options.address = "127.0.0.1:0";
+  server_options.stream_max_in_flight = 8;
+  auto server = GrpcServer::Start(server_options, engine->get(), nullptr);
+  ASSERT_TRUE(server.ok()) << server.status();
+  client::ClientOptions client_options;
+  client_options.target = absl::StrCat("127.0.0.1:", (*server)->port());
+  auto c = client::Client::Connect(client_options);
+  ASSERT_TRUE(c.ok()) << c.status();
+
+  std::mt19937_64 rng(7);
+  constexpr int kSteps = 300;  // 300 tokens: 5 pages per layer
+  ASSERT_TRUE((*c)->CreateSequence(1).ok());
+  std::vector<v1::DecodeRequest> requests;
+  for (int step = 0; step < kSteps; ++step) {
+    for (int32_t layer = 0; layer < 2; ++layer) {
+      v1::DecodeRequest r;
+      r.set_request_id(requests.size());
+      r.set_layer(layer);
+      r.add_sequence_ids(1);
+      r.set_q(client::RandomNormalBf16(24 * 128, rng));
+      r.set_k(client::RandomNormalBf16(4 * 128, rng));
+      r.set_v(client::RandomNormalBf16(4 * 128, rng));
+      requests.push_back(std::move(r));
+    }
+  }
+  std::unique_ptr<client::DecodeStream> stream = (*c)->OpenDecodeStream();
+  std::thread writer([&] {
+    for (const auto& r : requests) {
+      if (!stream->Write(r)) break;
+    }
+    stream->WritesDone();
+  });
+  int errors = 0;
+  std::string first_error;
+  v1::DecodeResponse response;
+  size_t read = 0;
+  while (stream->Read(&response)) {
+    if (response.error_code() != 0 && errors++ == 0) {
+      first_error = absl::StrCat("message ", read, ": ", response.error_message());
+    }
+    ++read;
+  }
+  writer.join();
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(read, requests.size());
+  EXPECT_EQ(errors, 0) << first_error;
+  (*server)->Shutdown(absl::Now() + absl::Seconds(2));
+  (*engine)->Shutdown(absl::Seconds(2));
+}
+
+}  // namespace
+}  // namespace pagedattn
