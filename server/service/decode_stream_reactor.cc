@@ -37,8 +37,10 @@ void DecodeStreamReactor::OnReadDone(bool ok) {
   Actions actions;
   {
     absl::MutexLock lock(&mu_);
-    reading_ = false;
+    // reading_ stays true until this message is in the engine: a read started earlier (by a
+    // Plan() on another thread) could hand the engine the next message first.
     if (!ok) {
+      reading_ = false;
       read_closed_ = true;
     } else if (!broken_ && !finished_) {
       request = std::move(read_buffer_);
@@ -51,11 +53,15 @@ void DecodeStreamReactor::OnReadDone(bool ok) {
       calls_->Begin();
       ++in_engine_;  // counted until Submit's callback (or its validation failure) lands
     }
-    if (slot == nullptr) actions = Plan();
+    if (slot == nullptr) {
+      reading_ = false;
+      actions = Plan();
+    }
   }
   if (slot != nullptr) {
     Submit(std::move(request), slot);
     absl::MutexLock lock(&mu_);
+    reading_ = false;
     actions = Plan();
   }
   Run(actions);
