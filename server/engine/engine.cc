@@ -417,12 +417,14 @@ void Engine::Impl::Prepare(InFlight* in) {
       } else if (now >= drain_deadline) {
         Reject("shutting_down");
         item->status = absl::UnavailableError("shutting down: drain timeout passed");
+      } else if (now >= item->deadline()) {
+        // Before the cancel flag: gRPC also cancels a call whose deadline passed, and that
+        // call is counted as deadline_exceeded.
+        Reject("deadline_exceeded");
+        item->status = absl::DeadlineExceededError("deadline passed before the work ran");
       } else if (item->cancelled() != nullptr && item->cancelled()->load()) {
         Reject("cancelled");
         item->status = absl::CancelledError("cancelled before it ran");
-      } else if (now >= item->deadline()) {
-        Reject("deadline_exceeded");
-        item->status = absl::DeadlineExceededError("deadline passed before the work ran");
       } else {
         item->status = item->is_decode ? ApplyDecode(item.get(), &batch)
                                        : ApplyAppend(item.get(), &batch);
