@@ -40,8 +40,8 @@ def main(argv):
         return 1
 
     print("| run | backend | B x callers | api | mean ctx | seq-decodes/s | KV GB/s | request p50 / p99 (us) "
-          "| kernel mean (us) | queue mean (us) | batch mean | check |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| server request mean (us) | batch launch->done mean (us) | kernel mean (us) | queue mean (us) | batch mean | check |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in runs.items():
         api = get(r, "config", "api")
         rpc = "DecodeStream" if api == "stream" else "Decode"
@@ -56,6 +56,8 @@ def main(argv):
               f"{fmt(get(r, 'throughput', 'sequence_decodes_per_s'), '.0f')} | "
               f"{fmt(get(r, 'throughput', 'kv_gb_per_s'), '.1f')} | "
               f"{fmt(get(r, 'latency', rpc, 'p50_us'))} / {fmt(get(r, 'latency', rpc, 'p99_us'))} | "
+              f"{fmt(get(r, 'server', 'metrics', 'request_duration', rpc, 'mean_us'))} | "
+              f"{fmt(get(r, 'derived', 'batch_duration_mean_us'))} | "
               f"{fmt(get(r, 'derived', 'kernel_mean_us'))} | "
               f"{fmt(get(r, 'server', 'metrics', 'queue_duration', 'mean_us'))} | "
               f"{fmt(get(r, 'server', 'metrics', 'batch_size', 'mean'))} | {check_txt} |")
@@ -82,6 +84,8 @@ def main(argv):
                 "<= 1.3", lambda v: v <= 1.3)
             row("(a) server-side request mean / kernel mean", name, d.get("server_request_mean_over_kernel_mean"),
                 "<= 1.3", lambda v: v <= 1.3)
+            row("(a) batch launch->done mean / kernel mean (server step, no RPC)", name,
+                d.get("batch_duration_mean_over_kernel_mean"), "<= 1.3", lambda v: v <= 1.3)
     for name in ("a_b64_ctx4096_c1", "a_b64_ctx4096_c1_attend", "a_b64_ctx4096_c4", "a_b64_ctx4096_c4_stream"):
         if name in runs:
             row("(a) throughput / kernel alone", name, runs[name]["derived"].get("throughput_over_kernel_alone"),
@@ -95,6 +99,15 @@ def main(argv):
                 d.get("request_p50_minus_kernel_mean_minus_rpc_floor_us"), "< 100", lambda v: v < 100, ".1f")
             row("(b) server-side request mean - kernel mean (us)", name,
                 d.get("server_request_mean_minus_kernel_mean_us"), "< 100", lambda v: v < 100, ".1f")
+
+    stages = ("to_work", "prepare", "launch", "wait", "callbacks", "release")
+    if any(get(r, "server", "metrics", "stage_duration") for r in runs.values()):
+        print()
+        print("| run | " + " | ".join(f"{st} mean (us)" for st in stages) + " |")
+        print("|---|" + "---|" * len(stages))
+        for name, r in runs.items():
+            cells = [fmt(get(r, "server", "metrics", "stage_duration", st, "mean_us")) for st in stages]
+            print(f"| {name} | " + " | ".join(cells) + " |")
     return 0
 
 

@@ -4,6 +4,7 @@
 #include <initializer_list>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
 namespace pagedattn::loadgen {
@@ -44,6 +45,16 @@ Json ServerBreakdown(const Scrape& before, const Scrape& after) {
                                            1e6, "_us"));
   j.Set("batch_size", HistogramToJson(Subtract(GetHistogram(after, "pagedattn_batch_size"),
                                                GetHistogram(before, "pagedattn_batch_size"))));
+  j.Set("batch_duration", HistogramToJson(Subtract(GetHistogram(after, "pagedattn_batch_duration_seconds"),
+                                                   GetHistogram(before, "pagedattn_batch_duration_seconds")),
+                                          1e6, "_us"));
+  Json stages = Json::Object();
+  for (const char* stage : {"to_work", "prepare", "launch", "wait", "callbacks", "release"}) {
+    const Histogram d = Subtract(GetHistogram(after, "pagedattn_stage_duration_seconds", {{"stage", stage}}),
+                                 GetHistogram(before, "pagedattn_stage_duration_seconds", {{"stage", stage}}));
+    if (d.count > 0) stages.Set(stage, HistogramToJson(d, 1e6, "_us"));
+  }
+  j.Set("stage_duration", std::move(stages));
   Json by_method = Json::Object();
   for (const char* method : {"Decode", "DecodeStream", "AppendKV"}) {
     const Histogram d = Subtract(GetHistogram(after, "pagedattn_request_duration_seconds", {{"method", method}}),
@@ -214,6 +225,10 @@ Json BuildResult(const RunFacts& f, RunState& state) {
   derived.Set("request_p50_minus_kernel_mean_minus_rpc_floor_us", p50_us - kernel_mean_us - floor_p50_us);
   derived.Set("request_mean_over_kernel_mean", mean_us / kernel_mean_us);
   derived.Set("server_request_mean_over_kernel_mean", server_mean_us / kernel_mean_us);
+  // The server's step time without the RPC transport: one batch from launch to outputs in host memory.
+  const double batch_mean_us = Get(*srv, {"metrics", "batch_duration", "mean_us"});
+  derived.Set("batch_duration_mean_us", batch_mean_us);
+  derived.Set("batch_duration_mean_over_kernel_mean", batch_mean_us / kernel_mean_us);
   derived.Set("kernel_alone_sequence_decodes_per_s", kernel_alone);
   derived.Set("throughput_over_kernel_alone", measured / kernel_alone);
   derived.Set("kernel_kv_gb_per_s", kernel_sum_us > 0 ? kv_bytes / (kernel_sum_us * 1e-6) / 1e9 : NAN);
@@ -250,6 +265,24 @@ std::string FormatSummary(const Json& r) {
         kernel, Get(r, {"server", "metrics", "queue_duration", "mean_us"}),
         Get(r, {"server", "metrics", "batch_size", "mean"}), Get(r, {"derived", "request_p50_minus_kernel_mean_us"}),
         Get(r, {"derived", "request_mean_over_kernel_mean"}), Get(r, {"derived", "throughput_over_kernel_alone"}));
+    const double server_request = Get(r, {"server", "metrics", "request_duration", rpc, "mean_us"});
+    const double batch = Get(r, {"derived", "batch_duration_mean_us"});
+    if (std::isfinite(server_request) || std::isfinite(batch)) {
+      out += absl::StrFormat("  server: request mean %.1f us (%.2fx kernel), batch launch->done mean %.1f us (%.2fx kernel)\n",
+                             server_request, server_request / kernel, batch, batch / kernel);
+    }
+    const Json* stages = nullptr;
+    if (const Json* srv = r.Find("server"); srv != nullptr) {
+      if (const Json* m = srv->Find("metrics"); m != nullptr) stages = m->Find("stage_duration");
+    }
+    if (stages != nullptr && stages->type() == Json::Type::kObject) {
+      std::string line;
+      for (const char* stage : {"to_work", "prepare", "launch", "wait", "callbacks", "release"}) {
+        const double mean = Get(*stages, {stage, "mean_us"});
+        if (std::isfinite(mean)) absl::StrAppendFormat(&line, " %s %.1f", stage, mean);
+      }
+      if (!line.empty()) out += absl::StrCat("  server stage means (us):", line, "\n");
+    }
   } else {
     out += absl::StrFormat("  server: %.0f batches, mean batch size %.1f (no metrics endpoint read)\n",
                            Get(r, {"server", "stats_delta", "batches"}),

@@ -71,6 +71,7 @@ struct InFlight {
   std::vector<std::unique_ptr<WorkItem>> items;
   BackendBatch batch;
   bool launched = false;
+  absl::Time launch_start;  // when Launch was called
 };
 
 }  // namespace
@@ -113,6 +114,9 @@ class Engine::Impl {
   void PublishQueueDepth();
   void Reject(std::string_view reason) {
     if (metrics_ != nullptr) metrics_->RecordRejected(reason);
+  }
+  void RecordStage(Metrics::Stage stage, absl::Time begin, absl::Time end) {
+    if (metrics_ != nullptr) metrics_->RecordStage(stage, absl::ToDoubleSeconds(end - begin));
   }
 
   const Options options_;
@@ -435,7 +439,10 @@ void Engine::Impl::Prepare(InFlight* in) {
     PublishPoolLocked();
   }
   if (batch.empty()) return;
+  in->launch_start = absl::Now();
+  RecordStage(Metrics::Stage::kPrepare, now, in->launch_start);
   absl::Status s = backend_->Launch(&batch);
+  RecordStage(Metrics::Stage::kLaunch, in->launch_start, absl::Now());
   if (!s.ok()) {
     MarkUnhealthy(s);
     for (auto& item : in->items) {
@@ -525,7 +532,13 @@ absl::Status Engine::Impl::ApplyAppend(WorkItem* item, BackendBatch* batch) {
 void Engine::Impl::Finish(InFlight* in) {
   BackendBatch& batch = in->batch;
   if (in->launched) {
+    const absl::Time wait_start = absl::Now();
     absl::Status s = backend_->Wait(&batch);
+    const absl::Time wait_end = absl::Now();
+    RecordStage(Metrics::Stage::kWait, wait_start, wait_end);
+    if (metrics_ != nullptr && s.ok()) {
+      metrics_->RecordBatchDuration(absl::ToDoubleSeconds(wait_end - in->launch_start));
+    }
     if (!s.ok()) {
       MarkUnhealthy(s);
       for (auto& item : in->items) {
@@ -538,8 +551,12 @@ void Engine::Impl::Finish(InFlight* in) {
       if (metrics_ != nullptr && b > 0) metrics_->RecordBatch(b, batch.kernel_seconds);
     }
   }
+  const absl::Time callbacks_start = absl::Now();
   for (auto& item : in->items) item->Complete();
+  const absl::Time release_start = absl::Now();
+  RecordStage(Metrics::Stage::kCallbacks, callbacks_start, release_start);
   in->items.clear();
+  RecordStage(Metrics::Stage::kRelease, release_start, absl::Now());
 }
 
 void Engine::Impl::Shutdown(absl::Duration drain_timeout) {

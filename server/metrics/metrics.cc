@@ -25,6 +25,24 @@ prometheus::Histogram::BucketBoundaries BatchSizeBuckets() {
 
 }  // namespace
 
+std::string_view Metrics::StageName(Stage stage) {
+  switch (stage) {
+    case Stage::kToWork:
+      return "to_work";
+    case Stage::kPrepare:
+      return "prepare";
+    case Stage::kLaunch:
+      return "launch";
+    case Stage::kWait:
+      return "wait";
+    case Stage::kCallbacks:
+      return "callbacks";
+    case Stage::kRelease:
+      return "release";
+  }
+  return "unknown";
+}
+
 Metrics::Metrics()
     : registry_(std::make_shared<prometheus::Registry>()),
       requests_(prometheus::BuildCounter()
@@ -54,6 +72,12 @@ Metrics::Metrics()
                            .Help("Backend compute time of one batch (device events on CUDA)")
                            .Register(*registry_)
                            .Add({}, LatencyBuckets())),
+      batch_duration_(prometheus::BuildHistogram()
+                          .Name("pagedattn_batch_duration_seconds")
+                          .Help("One backend batch from the start of its launch to its outputs "
+                                "in host memory (staging, copies, kernels, copy back)")
+                          .Register(*registry_)
+                          .Add({}, LatencyBuckets())),
       queue_depth_(prometheus::BuildGauge()
                        .Name("pagedattn_queue_depth")
                        .Help("Work items waiting for a batch")
@@ -85,6 +109,15 @@ Metrics::Metrics()
                            .Register(*registry_)
                            .Add({})) {
   backend_healthy_.Set(1);
+  auto& stages = prometheus::BuildHistogram()
+                     .Name("pagedattn_stage_duration_seconds")
+                     .Help("Server time by stage: to_work per request; prepare, launch, wait, "
+                           "callbacks, release per batch on the engine's executor")
+                     .Register(*registry_);
+  for (int i = 0; i < kNumStages; ++i) {
+    stage_duration_[i] =
+        &stages.Add({{"stage", std::string(StageName(static_cast<Stage>(i)))}}, LatencyBuckets());
+  }
 }
 
 void Metrics::RecordRequest(std::string_view method, std::string_view code, double seconds) {
@@ -109,6 +142,12 @@ void Metrics::RecordQueueDuration(double seconds) { queue_duration_.Observe(seco
 void Metrics::RecordBatch(int64_t sequences, double kernel_seconds) {
   batch_size_.Observe(static_cast<double>(sequences));
   kernel_duration_.Observe(kernel_seconds);
+}
+
+void Metrics::RecordBatchDuration(double seconds) { batch_duration_.Observe(seconds); }
+
+void Metrics::RecordStage(Stage stage, double seconds) {
+  stage_duration_[static_cast<int>(stage)]->Observe(seconds);
 }
 
 void Metrics::RecordRejected(std::string_view reason) {

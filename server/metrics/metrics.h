@@ -4,6 +4,7 @@
 // Thread-safe: every method may be called from any thread.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -21,6 +22,17 @@ namespace pagedattn {
 
 class Metrics {
  public:
+  // Where a request's and a batch's time goes on the server, for
+  // pagedattn_stage_duration_seconds{stage}. Per request: kToWork (the service turns the
+  // parsed request into a work item). Per batch, on the engine's executor: kPrepare (state
+  // changes and index tables), kLaunch (Backend::Launch: staging and enqueue), kWait
+  // (Backend::Wait: until the outputs are in host memory), kCallbacks (every item's
+  // completion callback, which hands the response to gRPC), kRelease (freeing the batch's
+  // work items).
+  enum class Stage { kToWork, kPrepare, kLaunch, kWait, kCallbacks, kRelease };
+  static constexpr int kNumStages = 6;
+  static std::string_view StageName(Stage stage);
+
   Metrics();
   Metrics(const Metrics&) = delete;
   Metrics& operator=(const Metrics&) = delete;
@@ -34,6 +46,12 @@ class Metrics {
   void RecordQueueDuration(double seconds);
   // pagedattn_batch_size (sequences per launch) and pagedattn_kernel_duration_seconds.
   void RecordBatch(int64_t sequences, double kernel_seconds);
+  // pagedattn_batch_duration_seconds: one backend batch from the start of its Launch to the
+  // return of its Wait (host staging, copies, kernels, copy back: the server's step time
+  // without the RPC transport).
+  void RecordBatchDuration(double seconds);
+  // pagedattn_stage_duration_seconds{stage}.
+  void RecordStage(Stage stage, double seconds);
   // pagedattn_rejected_requests_total{reason}: queue_full, shutting_down, deadline_exceeded,
   // cancelled, pool_exhausted, unauthenticated.
   void RecordRejected(std::string_view reason);
@@ -55,6 +73,8 @@ class Metrics {
   prometheus::Histogram& queue_duration_;
   prometheus::Histogram& batch_size_;
   prometheus::Histogram& kernel_duration_;
+  prometheus::Histogram& batch_duration_;
+  std::array<prometheus::Histogram*, kNumStages> stage_duration_{};
   prometheus::Gauge& queue_depth_;
   prometheus::Gauge& pages_total_;
   prometheus::Gauge& pages_free_;

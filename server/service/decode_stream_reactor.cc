@@ -73,6 +73,9 @@ void DecodeStreamReactor::Submit(v1::DecodeRequest request, Slot* slot) {
     OnComputed(slot, work.status());
     return;
   }
+  if (metrics_ != nullptr) {
+    metrics_->RecordStage(Metrics::Stage::kToWork, absl::ToDoubleSeconds(absl::Now() - slot->start));
+  }
   work->deadline = deadline_;
   work->cancelled = cancelled_;
   engine_->Decode(*std::move(work), [this, slot](absl::StatusOr<DecodeOutput> result) {

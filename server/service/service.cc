@@ -28,6 +28,12 @@ PagedAttentionService::PagedAttentionService(const Options& options, Engine* eng
       config_(engine->config()),
       auth_(options.auth_token) {}
 
+void PagedAttentionService::RecordToWork(absl::Time start) {
+  if (metrics_ != nullptr) {
+    metrics_->RecordStage(Metrics::Stage::kToWork, absl::ToDoubleSeconds(absl::Now() - start));
+  }
+}
+
 bool PagedAttentionService::Authenticate(grpc::CallbackServerContext* context, UnaryCall* call) {
   absl::Status status = auth_.Check(*context);
   if (status.ok()) return true;
@@ -73,6 +79,7 @@ grpc::ServerUnaryReactor* PagedAttentionService::AppendKV(grpc::CallbackServerCo
     call->Complete(work.status());
     return call;
   }
+  RecordToWork(call->start());
   work->deadline = call->deadline();
   work->cancelled = call->cancel_flag();
   engine_->Append(*std::move(work), [call, response](absl::StatusOr<int64_t> length) {
@@ -92,6 +99,7 @@ grpc::ServerUnaryReactor* PagedAttentionService::Decode(grpc::CallbackServerCont
     call->Complete(work.status());
     return call;
   }
+  RecordToWork(call->start());
   work->deadline = call->deadline();
   work->cancelled = call->cancel_flag();
   const uint64_t request_id = request->request_id();

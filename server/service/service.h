@@ -71,6 +71,8 @@ class PagedAttentionService final : public v1::PagedAttention::CallbackService {
   Metrics* const metrics_;
   // False after completing `call` with UNAUTHENTICATED when the token check fails.
   bool Authenticate(grpc::CallbackServerContext* context, UnaryCall* call);
+  // pagedattn_stage_duration_seconds{stage="to_work"}: from `start` to now.
+  void RecordToWork(absl::Time start);
 
   const ModelConfig config_;  // fixed for the engine's life
   const TokenChecker auth_;

@@ -28,6 +28,8 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
   UnaryCall(grpc::CallbackServerContext* context, std::string_view method, Metrics* metrics,
             CallCounter* calls);
 
+  // When the handler created the call (the request already parsed).
+  absl::Time start() const { return start_; }
   // The RPC's deadline as an absl::Time (InfiniteFuture when it has none).
   absl::Time deadline() const { return deadline_; }
   // Set when the client cancels (or the server cancels the call at shutdown).

@@ -36,6 +36,8 @@ TEST(MetricsTest, ExportsEveryFamilyOfTheIssue) {
       {"pagedattn_queue_duration_seconds", T::Histogram},
       {"pagedattn_batch_size", T::Histogram},
       {"pagedattn_kernel_duration_seconds", T::Histogram},
+      {"pagedattn_batch_duration_seconds", T::Histogram},
+      {"pagedattn_stage_duration_seconds", T::Histogram},
       {"pagedattn_kv_pages_total", T::Gauge},
       {"pagedattn_kv_pages_free", T::Gauge},
       {"pagedattn_sequences", T::Gauge},
@@ -104,6 +106,25 @@ TEST(MetricsTest, TextExpositionNamesTheHistogramSeries) {
   EXPECT_NE(text.find("pagedattn_kernel_duration_seconds_bucket"), std::string::npos);
   EXPECT_NE(text.find("pagedattn_kv_pages_free 90"), std::string::npos);
   EXPECT_NE(text.find("pagedattn_sequences 3"), std::string::npos);
+}
+
+TEST(MetricsTest, StagesAreHistogramsByStageName) {
+  Metrics metrics;
+  metrics.RecordStage(Metrics::Stage::kLaunch, 2e-5);
+  metrics.RecordStage(Metrics::Stage::kLaunch, 4e-5);
+  metrics.RecordStage(Metrics::Stage::kToWork, 1e-6);
+  metrics.RecordBatchDuration(1.5e-4);
+  const std::string text = prometheus::TextSerializer().Serialize(metrics.registry()->Collect());
+  EXPECT_NE(text.find("pagedattn_stage_duration_seconds_count{stage=\"launch\"} 2"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("pagedattn_stage_duration_seconds_count{stage=\"to_work\"} 1"), std::string::npos);
+  // Every stage is exported from the start (zero counts), so dashboards see the series at once.
+  for (const char* stage : {"to_work", "prepare", "launch", "wait", "callbacks", "release"}) {
+    EXPECT_NE(text.find(std::string("pagedattn_stage_duration_seconds_count{stage=\"") + stage + "\"}"),
+              std::string::npos)
+        << stage;
+  }
+  EXPECT_NE(text.find("pagedattn_batch_duration_seconds_count 1"), std::string::npos);
 }
 
 }  // namespace
