@@ -19,6 +19,15 @@ class RejectedStream final : public grpc::ServerBidiReactor<v1::DecodeRequest, v
   void OnDone() override { delete this; }
 };
 
+// The request of a callback handler, to move its tensors into the work item instead of copying
+// them (~0.5 MB for a Decode of 64 sequences, up to the message limit for an AppendKV). gRPC
+// creates the request as a mutable object owned by the call, hands it to the handler as const
+// and only destroys it once the call is done; the handlers read nothing of it after this.
+template <typename Request>
+Request* Mutable(const Request* request) {
+  return const_cast<Request*>(request);
+}
+
 }  // namespace
 
 PagedAttentionService::PagedAttentionService(const Options& options, Engine* engine, Metrics* metrics)
@@ -74,7 +83,7 @@ grpc::ServerUnaryReactor* PagedAttentionService::AppendKV(grpc::CallbackServerCo
                                                           v1::AppendKVResponse* response) {
   auto* call = new UnaryCall(context, "AppendKV", metrics_, &calls_);
   if (!Authenticate(context, call)) return call;
-  absl::StatusOr<AppendWork> work = ToAppendWork(*request, config_);
+  absl::StatusOr<AppendWork> work = TakeAppendWork(Mutable(request), config_);
   if (!work.ok()) {
     call->Complete(work.status());
     return call;
@@ -94,7 +103,8 @@ grpc::ServerUnaryReactor* PagedAttentionService::Decode(grpc::CallbackServerCont
                                                         v1::DecodeResponse* response) {
   auto* call = new UnaryCall(context, "Decode", metrics_, &calls_);
   if (!Authenticate(context, call)) return call;
-  absl::StatusOr<DecodeWork> work = ToDecodeWork(*request, config_);
+  const uint64_t request_id = request->request_id();
+  absl::StatusOr<DecodeWork> work = TakeDecodeWork(Mutable(request), config_);
   if (!work.ok()) {
     call->Complete(work.status());
     return call;
@@ -102,7 +112,6 @@ grpc::ServerUnaryReactor* PagedAttentionService::Decode(grpc::CallbackServerCont
   RecordToWork(call->start());
   work->deadline = call->deadline();
   work->cancelled = call->cancel_flag();
-  const uint64_t request_id = request->request_id();
   engine_->Decode(*std::move(work),
                   [call, response, request_id](absl::StatusOr<DecodeOutput> output) {
                     if (output.ok()) {

@@ -42,7 +42,10 @@ absl::StatusOr<float> ResolveSmScale(float sm_scale, int32_t head_dim) {
   return sm_scale;
 }
 
-absl::StatusOr<DecodeWork> ToDecodeWork(const v1::DecodeRequest& request, const ModelConfig& config) {
+namespace {
+
+// Every check of a DecodeRequest; the resolved sm_scale when it passes.
+absl::StatusOr<float> CheckDecode(const v1::DecodeRequest& request, const ModelConfig& config) {
   const int64_t batch = request.sequence_ids_size();
   if (batch == 0) return absl::InvalidArgumentError("sequence_ids is empty");
   if (batch > config.max_batch_size) {
@@ -51,8 +54,7 @@ absl::StatusOr<DecodeWork> ToDecodeWork(const v1::DecodeRequest& request, const 
   }
   if (absl::Status s = CheckLayer(request.layer(), config); !s.ok()) return s;
 
-  std::vector<uint64_t> ids(request.sequence_ids().begin(), request.sequence_ids().end());
-  std::vector<uint64_t> sorted = ids;
+  std::vector<uint64_t> sorted(request.sequence_ids().begin(), request.sequence_ids().end());
   std::sort(sorted.begin(), sorted.end());
   if (auto dup = std::adjacent_find(sorted.begin(), sorted.end()); dup != sorted.end()) {
     return absl::InvalidArgumentError(absl::StrCat("sequence id ", *dup, " appears twice"));
@@ -74,21 +76,20 @@ absl::StatusOr<DecodeWork> ToDecodeWork(const v1::DecodeRequest& request, const 
     if (absl::Status s = CheckBytes("k", request.k().size(), row, shape); !s.ok()) return s;
     if (absl::Status s = CheckBytes("v", request.v().size(), row, shape); !s.ok()) return s;
   }
-  absl::StatusOr<float> scale = ResolveSmScale(request.sm_scale(), config.head_dim);
-  if (!scale.ok()) return scale.status();
+  return ResolveSmScale(request.sm_scale(), config.head_dim);
+}
 
+// The work of a checked request, without q, k and v.
+DecodeWork DecodeWorkWithoutTensors(const v1::DecodeRequest& request, float sm_scale) {
   DecodeWork work;
   work.request_id = request.request_id();
   work.layer = request.layer();
-  work.sequence_ids = std::move(ids);
-  work.q = request.q();
-  work.k = request.k();
-  work.v = request.v();
-  work.sm_scale = *scale;
+  work.sequence_ids.assign(request.sequence_ids().begin(), request.sequence_ids().end());
+  work.sm_scale = sm_scale;
   return work;
 }
 
-absl::StatusOr<AppendWork> ToAppendWork(const v1::AppendKVRequest& request, const ModelConfig& config) {
+absl::Status CheckAppend(const v1::AppendKVRequest& request, const ModelConfig& config) {
   if (absl::Status s = CheckLayer(request.layer(), config); !s.ok()) return s;
   if (request.num_tokens() < 1) {
     return absl::InvalidArgumentError(absl::StrCat("num_tokens must be >= 1, got ", request.num_tokens()));
@@ -97,14 +98,52 @@ absl::StatusOr<AppendWork> ToAppendWork(const v1::AppendKVRequest& request, cons
   const std::string shape =
       absl::StrCat("[", request.num_tokens(), ", ", config.num_kv_heads, ", ", config.head_dim, "]");
   if (absl::Status s = CheckBytes("k", request.k().size(), bytes, shape); !s.ok()) return s;
-  if (absl::Status s = CheckBytes("v", request.v().size(), bytes, shape); !s.ok()) return s;
+  return CheckBytes("v", request.v().size(), bytes, shape);
+}
 
+AppendWork AppendWorkWithoutTensors(const v1::AppendKVRequest& request) {
   AppendWork work;
   work.sequence_id = request.sequence_id();
   work.layer = request.layer();
   work.num_tokens = request.num_tokens();
+  return work;
+}
+
+}  // namespace
+
+absl::StatusOr<DecodeWork> ToDecodeWork(const v1::DecodeRequest& request, const ModelConfig& config) {
+  absl::StatusOr<float> scale = CheckDecode(request, config);
+  if (!scale.ok()) return scale.status();
+  DecodeWork work = DecodeWorkWithoutTensors(request, *scale);
+  work.q = request.q();
   work.k = request.k();
   work.v = request.v();
+  return work;
+}
+
+absl::StatusOr<DecodeWork> TakeDecodeWork(v1::DecodeRequest* request, const ModelConfig& config) {
+  absl::StatusOr<float> scale = CheckDecode(*request, config);
+  if (!scale.ok()) return scale.status();
+  DecodeWork work = DecodeWorkWithoutTensors(*request, *scale);
+  work.q.swap(*request->mutable_q());
+  work.k.swap(*request->mutable_k());
+  work.v.swap(*request->mutable_v());
+  return work;
+}
+
+absl::StatusOr<AppendWork> ToAppendWork(const v1::AppendKVRequest& request, const ModelConfig& config) {
+  if (absl::Status s = CheckAppend(request, config); !s.ok()) return s;
+  AppendWork work = AppendWorkWithoutTensors(request);
+  work.k = request.k();
+  work.v = request.v();
+  return work;
+}
+
+absl::StatusOr<AppendWork> TakeAppendWork(v1::AppendKVRequest* request, const ModelConfig& config) {
+  if (absl::Status s = CheckAppend(*request, config); !s.ok()) return s;
+  AppendWork work = AppendWorkWithoutTensors(*request);
+  work.k.swap(*request->mutable_k());
+  work.v.swap(*request->mutable_v());
   return work;
 }
 

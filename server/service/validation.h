@@ -22,6 +22,11 @@ namespace pagedattn {
 absl::StatusOr<DecodeWork> ToDecodeWork(const v1::DecodeRequest& request, const ModelConfig& config);
 absl::StatusOr<AppendWork> ToAppendWork(const v1::AppendKVRequest& request, const ModelConfig& config);
 
+// The same checks and work, but q, k and v are moved out of *request (no copy of the tensors):
+// on success they are left empty in *request; on failure *request is unchanged.
+absl::StatusOr<DecodeWork> TakeDecodeWork(v1::DecodeRequest* request, const ModelConfig& config);
+absl::StatusOr<AppendWork> TakeAppendWork(v1::AppendKVRequest* request, const ModelConfig& config);
+
 // sm_scale as the kernel wants it: 0 -> 1/sqrt(head_dim); InvalidArgument for a negative,
 // NaN or infinite scale.
 absl::StatusOr<float> ResolveSmScale(float sm_scale, int32_t head_dim);

@@ -53,10 +53,20 @@ void ExpectInvalid(const v1::DecodeRequest& r, const std::string& needle) {
   ASSERT_FALSE(w.ok());
   EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(w.status().message().find(needle), std::string::npos) << w.status();
+  // TakeDecodeWork refuses it the same way and leaves the request as it was.
+  v1::DecodeRequest copy = r;
+  absl::StatusOr<DecodeWork> taken = TakeDecodeWork(&copy, Config());
+  EXPECT_EQ(taken.status(), w.status());
+  EXPECT_EQ(copy.SerializeAsString(), r.SerializeAsString());
 }
 
 void ExpectInvalid(const v1::AppendKVRequest& r, const std::string& needle) {
+  v1::AppendKVRequest copy = r;
+  absl::StatusOr<AppendWork> taken = TakeAppendWork(&copy, Config());
+  EXPECT_FALSE(taken.ok());
+  EXPECT_EQ(copy.SerializeAsString(), r.SerializeAsString());
   absl::StatusOr<AppendWork> w = ToAppendWork(r, Config());
+  EXPECT_EQ(taken.status(), w.status());
   ASSERT_FALSE(w.ok());
   EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(w.status().message().find(needle), std::string::npos) << w.status();
@@ -74,6 +84,40 @@ TEST(ToDecodeWorkTest, CopiesAValidRequestWithKv) {
   EXPECT_EQ(w->v, r.v());
   EXPECT_FLOAT_EQ(w->sm_scale, static_cast<float>(1.0 / std::sqrt(128.0)));
   EXPECT_EQ(w->deadline, absl::InfiniteFuture());
+}
+
+TEST(TakeDecodeWorkTest, MovesTheTensorsOutOfTheRequest) {
+  v1::DecodeRequest r = GoodDecode(3, true);
+  const v1::DecodeRequest original = r;
+  const char* q_buffer = r.q().data();
+  absl::StatusOr<DecodeWork> w = TakeDecodeWork(&r, Config());
+  ASSERT_TRUE(w.ok()) << w.status();
+  absl::StatusOr<DecodeWork> copied = ToDecodeWork(original, Config());
+  ASSERT_TRUE(copied.ok());
+  EXPECT_EQ(w->q, copied->q);
+  EXPECT_EQ(w->k, copied->k);
+  EXPECT_EQ(w->v, copied->v);
+  EXPECT_EQ(w->sequence_ids, copied->sequence_ids);
+  EXPECT_EQ(w->request_id, 99u);
+  EXPECT_EQ(w->layer, 1);
+  EXPECT_EQ(w->sm_scale, copied->sm_scale);
+  EXPECT_EQ(w->q.data(), q_buffer);  // the same buffer: moved, not copied
+  EXPECT_TRUE(r.q().empty());
+  EXPECT_TRUE(r.k().empty());
+  EXPECT_TRUE(r.v().empty());
+}
+
+TEST(TakeAppendWorkTest, MovesTheTensorsOutOfTheRequest) {
+  v1::AppendKVRequest r = GoodAppend(70);
+  const std::string k = r.k(), v = r.v();
+  absl::StatusOr<AppendWork> w = TakeAppendWork(&r, Config());
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->k, k);
+  EXPECT_EQ(w->v, v);
+  EXPECT_EQ(w->num_tokens, 70);
+  EXPECT_EQ(w->sequence_id, 5u);
+  EXPECT_TRUE(r.k().empty());
+  EXPECT_TRUE(r.v().empty());
 }
 
 TEST(ToDecodeWorkTest, AttendOnlyHasEmptyKv) {
