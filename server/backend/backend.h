@@ -99,6 +99,11 @@ class Backend {
   // Blocks until the batch launched earliest and not yet waited (which is `batch`) is done:
   // its output and lse rows and kernel_seconds are filled.
   virtual absl::Status Wait(BackendBatch* batch) = 0;
+
+  // Whether Wait(batch), for the batch launched earliest and not yet waited, would return
+  // without blocking on the device (it is done, or the backend failed). Never blocks; called
+  // from the thread that calls Wait. A synchronous backend is always ready.
+  virtual bool Ready(const BackendBatch& /*batch*/) { return true; }
 };
 
 // Checks a batch against the pool shape before any backend touches memory: every page id,

@@ -467,6 +467,14 @@ absl::Status CudaBackend::Launch(BackendBatch* batch) {
   return absl::OkStatus();
 }
 
+bool CudaBackend::Ready(const BackendBatch& batch) {
+  Impl& d = *impl_;
+  if (!d.failed.ok() || d.in_flight == 0) return true;
+  const Slot& slot = d.slots[d.next_wait];
+  if (slot.batch != &batch) return true;
+  return cudaEventQuery(slot.done) != cudaErrorNotReady;
+}
+
 absl::Status CudaBackend::Wait(BackendBatch* batch) {
   Impl& d = *impl_;
   if (!d.failed.ok()) return d.failed;

@@ -74,6 +74,9 @@ class CudaBackend final : public Backend {
   int32_t max_in_flight() const override;
   absl::Status Launch(BackendBatch* batch) override;
   absl::Status Wait(BackendBatch* batch) override;
+  // cudaEventQuery of the batch's done event (true also when failed or out of order: Wait
+  // reports that).
+  bool Ready(const BackendBatch& batch) override;
 
   // Bytes of device memory Init takes beyond the pool (staging, outputs, decoder workspaces).
   int64_t staging_device_bytes() const;

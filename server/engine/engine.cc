@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <limits>
@@ -82,7 +84,10 @@ class Engine::Impl {
       : options_(options), backend_(std::move(backend)), metrics_(metrics) {}
 
   absl::Status Init();
-  void Start() { executor_ = std::thread([this] { ExecutorMain(); }); }
+  void Start() {
+    if (options_.completion_thread) completer_ = std::thread([this] { CompleterMain(); });
+    executor_ = std::thread([this] { ExecutorMain(); });
+  }
 
   ModelConfig config() const;
   EngineStats GetStats() const;
@@ -101,14 +106,27 @@ class Engine::Impl {
   void Admit(std::unique_ptr<WorkItem> item);
 
   void ExecutorMain();
+  // Spins (yielding) for up to idle_spin until work is queued or the batcher closes.
+  void SpinForWork();
+  // Whether the executor should block in Wait for the oldest batch now: it is done, or it has
+  // been polled for longer than idle_spin (Wait then spins, sleeps and times out by itself).
+  bool ShouldWait(InFlight* front, std::chrono::steady_clock::time_point* poll_start);
   // Applies a batch's items to the table (in order) and fills in->batch; launches it.
   void Prepare(InFlight* in);
   absl::Status ApplyDecode(WorkItem* item, BackendBatch* batch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   absl::Status ApplyAppend(WorkItem* item, BackendBatch* batch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
-  // Waits for a launched batch and runs every item's callback, in order.
-  void Finish(InFlight* in);
+  // Waits for a launched batch (its outputs in the items' rows, failures in their status).
+  void WaitBatch(InFlight* in);
+  // Runs every item's callback, in order, and frees the items.
+  void CompleteBatch(InFlight* in);
+  // The completion thread (Options::completion_thread): CompleteBatch of every batch handed
+  // over by the executor, in order.
+  void CompleterMain();
+  void HandToCompleter(std::unique_ptr<InFlight> in);
+  std::unique_ptr<InFlight> TakeSpare();
+  void ReturnSpare(std::unique_ptr<InFlight> in);
   void MarkUnhealthy(const absl::Status& error);
   void PublishPoolLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   void PublishQueueDepth();
@@ -138,9 +156,22 @@ class Engine::Impl {
   absl::Status health_ ABSL_GUARDED_BY(mu_);
   absl::Time drain_deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
 
+  // Work items admitted and not yet taken by the executor, as a lock-free hint for spinning.
+  std::atomic<int64_t> queued_{0};
+
+  // Batches waited for, whose callbacks the completion thread runs (with completion_thread).
+  std::mutex done_mu_;
+  std::condition_variable done_cv_;
+  std::deque<std::unique_ptr<InFlight>> done_ ABSL_GUARDED_BY(done_mu_);
+  bool done_closed_ ABSL_GUARDED_BY(done_mu_) = false;
+  std::atomic<int64_t> done_size_{0};
+  // Finished batches, reused so that their vectors keep their capacity.
+  std::vector<std::unique_ptr<InFlight>> spare_ ABSL_GUARDED_BY(done_mu_);
+
   std::mutex shutdown_mu_;  // held for the whole of Shutdown
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
   std::thread executor_;
+  std::thread completer_;  // with completion_thread only
 };
 
 absl::Status Engine::Impl::Init() {
@@ -350,8 +381,10 @@ void Engine::Impl::Admit(std::unique_ptr<WorkItem> item) {
     return;
   }
   std::unique_ptr<BatchItem> queued = std::move(item);
+  queued_.fetch_add(1, std::memory_order_relaxed);
   absl::Status s = batcher_->Enqueue(&queued);
   if (!s.ok()) {
+    queued_.fetch_sub(1, std::memory_order_relaxed);
     Reject(batcher_->closed() ? "shutting_down" : "queue_full");
     auto* back = static_cast<WorkItem*>(queued.get());
     back->status = s;
@@ -363,39 +396,132 @@ void Engine::Impl::Admit(std::unique_ptr<WorkItem> item) {
 
 void Engine::Impl::ExecutorMain() {
   const size_t max_in_flight = static_cast<size_t>(backend_->max_in_flight());
+  // An asynchronous backend gets queued work launched before the callbacks of a finished batch
+  // run, so the device is not idle while responses are handed to gRPC. A synchronous one (the
+  // CPU backend computes inside Launch) runs the callbacks first.
+  const bool launch_first = max_in_flight > 1;
   // Heap-held so that a launched BackendBatch keeps its address until it is waited for.
   std::deque<std::unique_ptr<InFlight>> in_flight;
-  std::vector<std::unique_ptr<InFlight>> spare;  // reused, so their vectors keep their capacity
+  std::deque<std::unique_ptr<InFlight>> finished;  // waited for, callbacks not yet run
+  std::chrono::steady_clock::time_point poll_start{};
   while (true) {
-    Batcher::Batch taken;
-    if (in_flight.size() < max_in_flight) {
-      // Idle: wait for a full batch or the queue delay. Busy: take what is there now, so the
-      // next batch is queued behind the running one on the backend.
-      taken = in_flight.empty() ? batcher_->NextBatch() : batcher_->TakeAvailable();
-    }
-    if (!taken.empty()) {
-      PublishQueueDepth();
-      std::unique_ptr<InFlight> in;
-      if (spare.empty()) {
-        in = std::make_unique<InFlight>();
-      } else {
-        in = std::move(spare.back());
-        spare.pop_back();
+    if (finished.empty() || launch_first) {
+      Batcher::Batch taken;
+      if (in_flight.size() < max_in_flight) {
+        // Idle: wait for a full batch or the queue delay. Busy: take what is there now, so the
+        // next batch is queued behind the running one on the backend.
+        if (in_flight.empty() && finished.empty()) {
+          SpinForWork();
+          taken = batcher_->NextBatch();
+        } else if (queued_.load(std::memory_order_relaxed) > 0) {  // >= the queue's length
+          taken = batcher_->TakeAvailable();
+        }
       }
-      in->items.clear();
-      in->items.reserve(taken.size());
-      for (auto& t : taken) in->items.emplace_back(static_cast<WorkItem*>(t.release()));
-      Prepare(in.get());
-      in_flight.push_back(std::move(in));
+      if (!taken.empty()) {
+        queued_.fetch_sub(static_cast<int64_t>(taken.size()), std::memory_order_relaxed);
+        PublishQueueDepth();
+        std::unique_ptr<InFlight> in = TakeSpare();
+        in->items.clear();
+        in->items.reserve(taken.size());
+        for (auto& t : taken) in->items.emplace_back(static_cast<WorkItem*>(t.release()));
+        Prepare(in.get());
+        in_flight.push_back(std::move(in));
+        continue;
+      }
+    }
+    if (!finished.empty()) {
+      CompleteBatch(finished.front().get());
+      ReturnSpare(std::move(finished.front()));
+      finished.pop_front();
       continue;
     }
     if (in_flight.empty()) {
       if (batcher_->closed() && batcher_->depth() == 0) break;
       continue;
     }
-    Finish(in_flight.front().get());
-    spare.push_back(std::move(in_flight.front()));
+    // While the oldest batch runs and there is room for another, keep looking at the queue.
+    if (in_flight.size() < max_in_flight && !ShouldWait(in_flight.front().get(), &poll_start)) {
+      std::this_thread::yield();
+      continue;
+    }
+    poll_start = {};
+    WaitBatch(in_flight.front().get());
+    if (options_.completion_thread) {
+      HandToCompleter(std::move(in_flight.front()));
+    } else {
+      finished.push_back(std::move(in_flight.front()));
+    }
     in_flight.pop_front();
+  }
+  if (options_.completion_thread) {
+    std::lock_guard<std::mutex> lock(done_mu_);
+    done_closed_ = true;
+    done_cv_.notify_all();
+  }
+}
+
+void Engine::Impl::SpinForWork() {
+  if (options_.idle_spin <= absl::ZeroDuration()) return;
+  const auto end = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(options_.idle_spin);
+  while (queued_.load(std::memory_order_relaxed) <= 0 && !shutting_down_.load(std::memory_order_relaxed) &&
+         std::chrono::steady_clock::now() < end) {
+    std::this_thread::yield();
+  }
+}
+
+bool Engine::Impl::ShouldWait(InFlight* front, std::chrono::steady_clock::time_point* poll_start) {
+  if (!front->launched || backend_->Ready(front->batch)) return true;
+  const auto now = std::chrono::steady_clock::now();
+  if (*poll_start == std::chrono::steady_clock::time_point{}) *poll_start = now;
+  return now - *poll_start >= absl::ToChronoNanoseconds(options_.idle_spin);
+}
+
+std::unique_ptr<InFlight> Engine::Impl::TakeSpare() {
+  {
+    std::lock_guard<std::mutex> lock(done_mu_);
+    if (!spare_.empty()) {
+      std::unique_ptr<InFlight> in = std::move(spare_.back());
+      spare_.pop_back();
+      return in;
+    }
+  }
+  return std::make_unique<InFlight>();
+}
+
+void Engine::Impl::ReturnSpare(std::unique_ptr<InFlight> in) {
+  std::lock_guard<std::mutex> lock(done_mu_);
+  spare_.push_back(std::move(in));
+}
+
+void Engine::Impl::HandToCompleter(std::unique_ptr<InFlight> in) {
+  std::lock_guard<std::mutex> lock(done_mu_);
+  done_.push_back(std::move(in));
+  done_size_.fetch_add(1, std::memory_order_release);
+  done_cv_.notify_one();
+}
+
+void Engine::Impl::CompleterMain() {
+  while (true) {
+    if (options_.idle_spin > absl::ZeroDuration()) {
+      const auto end =
+          std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(options_.idle_spin);
+      while (done_size_.load(std::memory_order_acquire) == 0 && std::chrono::steady_clock::now() < end) {
+        std::this_thread::yield();
+      }
+    }
+    std::unique_ptr<InFlight> in;
+    {
+      std::unique_lock<std::mutex> lock(done_mu_);
+      done_cv_.wait(lock, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(done_mu_) {
+        return !done_.empty() || done_closed_;
+      });
+      if (done_.empty()) return;  // closed and drained
+      in = std::move(done_.front());
+      done_.pop_front();
+      done_size_.fetch_sub(1, std::memory_order_relaxed);
+    }
+    CompleteBatch(in.get());
+    ReturnSpare(std::move(in));
   }
 }
 
@@ -529,7 +655,7 @@ absl::Status Engine::Impl::ApplyAppend(WorkItem* item, BackendBatch* batch) {
   return absl::OkStatus();
 }
 
-void Engine::Impl::Finish(InFlight* in) {
+void Engine::Impl::WaitBatch(InFlight* in) {
   BackendBatch& batch = in->batch;
   if (in->launched) {
     const absl::Time wait_start = absl::Now();
@@ -551,6 +677,9 @@ void Engine::Impl::Finish(InFlight* in) {
       if (metrics_ != nullptr && b > 0) metrics_->RecordBatch(b, batch.kernel_seconds);
     }
   }
+}
+
+void Engine::Impl::CompleteBatch(InFlight* in) {
   const absl::Time callbacks_start = absl::Now();
   for (auto& item : in->items) item->Complete();
   const absl::Time release_start = absl::Now();
@@ -568,8 +697,13 @@ void Engine::Impl::Shutdown(absl::Duration drain_timeout) {
   }
   shutting_down_.store(true);
   batcher_->Close();
-  if (std::this_thread::get_id() == executor_.get_id()) return;  // from a callback: cannot join
+  // From a callback (the executor or the completion thread): cannot join.
+  if (std::this_thread::get_id() == executor_.get_id() ||
+      std::this_thread::get_id() == completer_.get_id()) {
+    return;
+  }
   if (executor_.joinable()) executor_.join();
+  if (completer_.joinable()) completer_.join();
   shut_down_ = true;
   PublishQueueDepth();
 }
@@ -590,6 +724,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Options& options,
     return absl::InvalidArgumentError("max_queue_delay must be >= 0");
   }
   if (options.max_queue_depth <= 0) return absl::InvalidArgumentError("max_queue_depth must be > 0");
+  if (options.idle_spin < absl::ZeroDuration()) return absl::InvalidArgumentError("idle_spin must be >= 0");
   auto impl = std::make_unique<Impl>(options, std::move(backend), metrics);
   if (absl::Status s = impl->Init(); !s.ok()) return s;
   impl->Start();

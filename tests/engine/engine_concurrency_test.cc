@@ -314,12 +314,12 @@ class DeferredBackend final : public Backend {
   int violations_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-TEST(EngineConcurrencyTest, PipelinedBackendKeepsTwoBatchesInFlightInOrder) {
+// Six stream-like callers on a backend of two batches in flight: every result correct and in
+// order, the backend's contract kept, two batches outstanding at the peak.
+void RunPipelined(const Engine::Options& options) {
   auto owned = std::make_unique<DeferredBackend>(std::move(*CpuBackend::Create({.num_threads = 2})), 2);
   DeferredBackend* backend = owned.get();
-  auto engine = std::move(*Engine::Create({.num_layers = 1, .num_pages = 64, .max_batch_size = 8,
-                                           .max_queue_delay = absl::Microseconds(100)},
-                                          std::move(owned), nullptr));
+  auto engine = std::move(*Engine::Create(options, std::move(owned), nullptr));
   EXPECT_EQ(engine->config().backend, "deferred");
   constexpr int kThreads = 6;
   std::vector<std::thread> threads;
@@ -365,6 +365,75 @@ TEST(EngineConcurrencyTest, PipelinedBackendKeepsTwoBatchesInFlightInOrder) {
   EXPECT_TRUE(engine->health().ok());
 }
 
+TEST(EngineConcurrencyTest, PipelinedBackendKeepsTwoBatchesInFlightInOrder) {
+  RunPipelined({.num_layers = 1, .num_pages = 64, .max_batch_size = 8,
+                .max_queue_delay = absl::Microseconds(100)});
+}
+
+TEST(EngineConcurrencyTest, CompletionThreadAndSpinningKeepOrderAndResults) {
+  RunPipelined({.num_layers = 1, .num_pages = 64, .max_batch_size = 8,
+                .max_queue_delay = absl::Microseconds(100), .idle_spin = absl::Microseconds(300),
+                .completion_thread = true});
+}
+
+// With a completion thread a blocked callback holds back later callbacks (they stay in
+// order) but not the launches: queued work is computed meanwhile.
+TEST(EngineConcurrencyTest, CompletionThreadLaunchesWhileACallbackBlocks) {
+  auto engine = MakeCpuEngine({.num_layers = 1, .num_pages = 8, .max_batch_size = 4,
+                               .max_queue_delay = absl::ZeroDuration(), .completion_thread = true});
+  Model model(1);
+  ASSERT_TRUE(engine->CreateSequence(1).ok());
+  model.Create(1);
+  ASSERT_TRUE(AppendSync(*engine, model.MakeAppend(1, 0, 10)).ok());
+  ExecutorBlocker blocker;
+  engine->Decode(model.MakeDecode({1}, 0, false), blocker.Callback());
+  blocker.entered.Wait();
+  const int64_t batches_before = engine->GetStats().batches;
+  std::atomic<bool> later_done{false};
+  DecodeWork later = model.MakeDecode({1}, 0, true);
+  absl::StatusOr<DecodeOutput> later_result = absl::UnknownError("not run");
+  engine->Decode(later, [&](absl::StatusOr<DecodeOutput> r) {
+    later_result = std::move(r);
+    later_done.store(true);
+  });
+  for (int i = 0; i < 5000 && engine->GetStats().batches == batches_before; ++i) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(engine->GetStats().batches, batches_before + 1);  // computed while blocked
+  EXPECT_EQ(engine->GetStats().tokens, 11);
+  EXPECT_FALSE(later_done.load());  // but answered only after the earlier callback
+  blocker.release.Notify();
+  engine->Shutdown(absl::Seconds(10));
+  EXPECT_TRUE(later_done.load());
+  ASSERT_TRUE(later_result.ok()) << later_result.status();
+  model.Check(later, *later_result, {11});
+}
+
+TEST(EngineConcurrencyTest, ShutdownFromACallbackOnTheCompletionThreadDoesNotDeadlock) {
+  auto engine = MakeCpuEngine({.num_layers = 1, .num_pages = 8, .idle_spin = absl::Microseconds(100),
+                               .completion_thread = true});
+  Model model(1);
+  ASSERT_TRUE(engine->CreateSequence(1).ok());
+  model.Create(1);
+  Event done;
+  engine->Append(model.MakeAppend(1, 0, 2), [&](absl::StatusOr<int64_t> r) {
+    EXPECT_TRUE(r.ok());
+    engine->Shutdown(absl::Seconds(1));
+    done.Notify();
+  });
+  done.Wait();
+  EXPECT_TRUE(absl::IsUnavailable(AppendSync(*engine, model.MakeAppend(1, 0, 1)).status()));
+  engine->Shutdown(absl::Seconds(1));  // joins
+  EXPECT_EQ(engine->GetStats().tokens, 2);
+}
+
+TEST(EngineConcurrencyTest, NegativeIdleSpinIsInvalid) {
+  auto backend = CpuBackend::Create({.num_threads = 1});
+  ASSERT_TRUE(backend.ok());
+  auto engine = Engine::Create({.idle_spin = absl::Microseconds(-1)}, std::move(*backend), nullptr);
+  EXPECT_TRUE(absl::IsInvalidArgument(engine.status())) << engine.status();
+}
+
 TEST(EngineConcurrencyTest, BackendErrorFailsTheBatchWithInternalAndTurnsHealthNonOk) {
   Metrics metrics;
   auto owned = std::make_unique<DeferredBackend>(std::move(*CpuBackend::Create({.num_threads = 1})),
@@ -403,6 +472,9 @@ TEST(EngineConcurrencyTest, RecordsBatchQueueAndPoolMetrics) {
   DecodeWork late = model.MakeDecode({1}, 0, false);
   late.deadline = absl::InfinitePast();
   EXPECT_TRUE(absl::IsDeadlineExceeded(DecodeSync(*engine, late).status()));
+  // The executor records a batch's callback and release stages after its callbacks returned:
+  // joined, every stage of the last batch is in.
+  engine->Shutdown(absl::Seconds(5));
   std::map<std::string, double> value;
   for (const auto& family : metrics.registry()->Collect()) {
     for (const auto& m : family.metric) {
@@ -430,6 +502,16 @@ TEST(EngineConcurrencyTest, RecordsBatchQueueAndPoolMetrics) {
   EXPECT_EQ(value["pagedattn_kv_tokens"], 103);
   EXPECT_EQ(value["pagedattn_queue_depth"], 0);
   EXPECT_EQ(value["pagedattn_backend_healthy"], 1);
+  // 4 launched batches and one that never launched (the late decode), which still has its
+  // callbacks run and its items freed.
+  EXPECT_EQ(value["pagedattn_batch_duration_seconds_count"], 4);
+  EXPECT_GE(value["pagedattn_batch_duration_seconds_sum"], value["pagedattn_kernel_duration_seconds_sum"]);
+  for (const char* stage : {"prepare", "launch", "wait"}) {
+    EXPECT_EQ(value[std::string("pagedattn_stage_duration_seconds{") + stage + "}_count"], 4) << stage;
+  }
+  for (const char* stage : {"callbacks", "release"}) {
+    EXPECT_EQ(value[std::string("pagedattn_stage_duration_seconds{") + stage + "}_count"], 5) << stage;
+  }
 }
 
 }  // namespace
