@@ -30,6 +30,16 @@ struct ClientOptions {
   int64_t max_message_bytes = 64 << 20;
   // Deadline of each unary call; zero or negative: none.
   absl::Duration timeout = absl::Seconds(60);
+  // HTTP/2 stream flow-control window this client grants (bytes), fixed (no bandwidth-delay
+  // probing); 0: gRPC's default (64 KiB, grown by probing). Large responses (a Decode of 64
+  // sequences is ~0.4 MB) arrive without waiting for window updates with a few MiB.
+  int32_t http2_window_bytes = 0;
+  // Largest HTTP/2 frame this client accepts; 0: gRPC's 16 KiB.
+  int32_t http2_max_frame_bytes = 0;
+  // A TCP connection of this client's own instead of one shared with every other channel of
+  // the process to the same target (gRPC's global subchannel pool): calls on different
+  // connections are not serialised by one HTTP/2 transport.
+  bool own_connection = false;
   // Wait for the channel to connect instead of failing fast with UNAVAILABLE.
   bool wait_for_ready = false;
   // TLS: on when `tls` is set or any tls_*_file is given. The server is verified against

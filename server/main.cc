@@ -1,6 +1,7 @@
 // pagedattn-server: flags -> Options, wiring (metrics, backend, engine, gRPC server, Prometheus
 // exposer) and signals. SIGTERM/SIGINT: health NOT_SERVING, stop accepting calls, let calls in
 // progress and queued work finish within --drain_timeout, shut down, exit 0.
+#include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
 
@@ -61,6 +62,18 @@ ABSL_FLAG(int32_t, cuda_max_in_flight, 2,
 ABSL_FLAG(int64_t, cuda_spin_wait_us, 2000,
           "CUDA backend: microseconds the executor spins on a batch's completion before it "
           "sleeps between polls");
+ABSL_FLAG(int64_t, idle_spin_us, -1,
+          "Microseconds the engine's executor and completion threads spin for new work before "
+          "they sleep (a core each while they spin; saves a thread wake-up per request); -1: "
+          "2000 on the CUDA backend, 0 on the CPU backend");
+ABSL_FLAG(std::string, completion_thread, "auto",
+          "auto|on|off: run response callbacks on a thread of their own so the executor goes back "
+          "to launching at once; auto: on for the CUDA backend, off for the CPU backend");
+ABSL_FLAG(int32_t, http2_window_bytes, 8 << 20,
+          "HTTP/2 stream flow-control window granted to clients, fixed (no BDP probing); 0: "
+          "gRPC's default 64 KiB grown by probing");
+ABSL_FLAG(int32_t, http2_max_frame_bytes, 0,
+          "Largest HTTP/2 frame accepted (16384..16777215); 0: gRPC's default 16 KiB");
 ABSL_FLAG(int32_t, num_layers, 1, "Layers in the KV pool");
 ABSL_FLAG(int32_t, max_batch_size, 64, "Most sequences per backend launch (and per Decode)");
 ABSL_FLAG(int64_t, max_queue_delay_us, 200, "Longest wait, in microseconds, to fill a batch");
@@ -185,7 +198,18 @@ absl::Status ReadSecurityFlags(GrpcServer::Options* options) {
   return absl::OkStatus();
 }
 
+// Request tensors are ~0.5 MB per Decode of 64 sequences and up to the message limit per
+// AppendKV, allocated on gRPC threads and freed on the engine's. glibc serves blocks over its
+// (adaptive) mmap threshold with mmap/munmap, and trims freed heap tops back to the system:
+// both turn every request into page faults and TLB shootdowns. Keep blocks up to 32 MiB (the
+// largest threshold glibc takes) in the heap and the heap resident.
+void TuneMalloc() {
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+}
+
 int Serve() {
+  TuneMalloc();
   // Block the shutdown signals in every thread (the ones started below inherit the mask); the
   // main thread takes them with sigwait.
   sigset_t signals;
@@ -223,6 +247,14 @@ int Serve() {
   engine_options.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
   engine_options.max_queue_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_queue_delay_us));
   engine_options.max_queue_depth = absl::GetFlag(FLAGS_max_queue_depth);
+  const bool cuda = backend_name == "cuda";
+  const int64_t spin_us = absl::GetFlag(FLAGS_idle_spin_us);
+  engine_options.idle_spin = absl::Microseconds(spin_us >= 0 ? spin_us : (cuda ? 2000 : 0));
+  const std::string completion = absl::GetFlag(FLAGS_completion_thread);
+  if (completion != "auto" && completion != "on" && completion != "off") {
+    return Fail("flags", absl::InvalidArgumentError("--completion_thread must be auto, on or off"));
+  }
+  engine_options.completion_thread = completion == "on" || (completion == "auto" && cuda);
   absl::StatusOr<std::unique_ptr<Engine>> engine =
       Engine::Create(engine_options, *std::move(backend), &metrics);
   if (!engine.ok()) return Fail("engine", engine.status());
@@ -235,6 +267,8 @@ int Serve() {
   server_options.address = absl::GetFlag(FLAGS_grpc_address);
   server_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   server_options.stream_max_in_flight = absl::GetFlag(FLAGS_stream_max_in_flight);
+  server_options.http2_window_bytes = absl::GetFlag(FLAGS_http2_window_bytes);
+  server_options.http2_max_frame_bytes = absl::GetFlag(FLAGS_http2_max_frame_bytes);
   absl::StatusOr<std::unique_ptr<GrpcServer>> server =
       GrpcServer::Start(server_options, engine->get(), &metrics);
   if (!server.ok()) {

@@ -20,8 +20,8 @@ struct Phase {
 
 class Caller {
  public:
-  Caller(RunState& state, std::vector<int32_t> batches)
-      : state_(state), batches_(std::move(batches)), retired_(batches_.size(), false) {}
+  Caller(RunState& state, client::Client* client, std::vector<int32_t> batches)
+      : state_(state), client_(client), batches_(std::move(batches)), retired_(batches_.size(), false) {}
 
   void RunUnary(const Phase& phase) {
     const int64_t total = phase.steps_per_batch * static_cast<int64_t>(batches_.size());
@@ -82,7 +82,7 @@ class Caller {
       for (int32_t attempt = 0;; ++attempt) {
         v1::DecodeRequest request = MakeDecodeRequest(state_, batch, layer, ++request_id_, &tickets);
         const SteadyClock::time_point t0 = SteadyClock::now();
-        absl::StatusOr<v1::DecodeResponse> response = state_.client->Decode(request);
+        absl::StatusOr<v1::DecodeResponse> response = client_->Decode(request);
         const SteadyClock::time_point t1 = SteadyClock::now();
         absl::Status status = response.status();
         if (status.ok()) status = TakeDecodeResponse(state_, batch, layer, *response, tickets);
@@ -107,6 +107,7 @@ class Caller {
   }
 
   RunState& state_;
+  client::Client* const client_;
   std::vector<int32_t> batches_;
   std::vector<bool> retired_;
   size_t next_ = 0;
@@ -186,8 +187,8 @@ void WarmupUnary(RunState& state, int32_t threads) {
     for (size_t b = static_cast<size_t>(t); b < state.batches.size(); b += static_cast<size_t>(threads)) {
       mine.push_back(static_cast<int32_t>(b));
     }
-    workers.emplace_back([&state, mine = std::move(mine)] {
-      Caller caller(state, mine);
+    workers.emplace_back([&state, t, mine = std::move(mine)] {
+      Caller caller(state, state.CallerClient(static_cast<size_t>(t)), mine);
       Phase warmup;
       warmup.steps_per_batch = state.options.warmup_steps;
       caller.RunUnary(warmup);
@@ -219,17 +220,17 @@ absl::Status RunClosedLoop(RunState& state, const std::function<void()>& start_t
     for (size_t b = static_cast<size_t>(c); b < state.batches.size(); b += static_cast<size_t>(callers)) {
       mine.push_back(static_cast<int32_t>(b));
     }
-    all.push_back(std::make_unique<Caller>(state, std::move(mine)));
+    all.push_back(std::make_unique<Caller>(state, state.CallerClient(static_cast<size_t>(c)), std::move(mine)));
   }
   std::vector<std::thread> threads;
   for (int32_t c = 0; c < callers; ++c) {
-    threads.emplace_back([&, caller = all[static_cast<size_t>(c)].get()] {
+    threads.emplace_back([&, c, caller = all[static_cast<size_t>(c)].get()] {
       Phase warmup;
       warmup.steps_per_batch = state.options.warmup_steps;
       std::unique_ptr<client::DecodeStream> decode_stream;
       bool ok = true;
       if (stream) {
-        decode_stream = state.client->OpenDecodeStream();
+        decode_stream = state.CallerClient(static_cast<size_t>(c))->OpenDecodeStream();
         if (warmup.steps_per_batch > 0) ok = caller->RunStream(warmup, decode_stream.get());
       } else if (warmup.steps_per_batch > 0) {
         caller->RunUnary(warmup);

@@ -145,10 +145,16 @@ void ReleaseAll(RunState& state) {
 }  // namespace
 
 absl::StatusOr<Json> RunLoad(const LoadGenOptions& o, client::Client* client, std::ostream* log) {
+  return RunLoad(o, client, {}, log);
+}
+
+absl::StatusOr<Json> RunLoad(const LoadGenOptions& o, client::Client* client,
+                             const std::vector<client::Client*>& caller_clients, std::ostream* log) {
   auto say = [log](const std::string& line) {
     if (log != nullptr) *log << "pagedattn-loadgen: " << line << std::endl;
   };
   RunState state(o, client);
+  state.callers = caller_clients;
   SteadyClock::time_point t0 = SteadyClock::now();
   absl::StatusOr<v1::GetModelConfigResponse> config = client->GetModelConfig();
   state.AddSample("GetModelConfig", SecondsBetween(t0, SteadyClock::now()));

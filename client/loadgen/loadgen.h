@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <ostream>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -59,6 +60,10 @@ struct LoadGenOptions {
 // One run; the JSON result (see client/loadgen/README.md for its fields). `log` (nullable)
 // gets progress lines.
 absl::StatusOr<Json> RunLoad(const LoadGenOptions& options, client::Client* client, std::ostream* log);
+// The same, with the closed loop's caller c on caller_clients[c % size] (e.g. one connection
+// per caller: callers on one HTTP/2 connection share its transport); empty: all on `client`.
+absl::StatusOr<Json> RunLoad(const LoadGenOptions& options, client::Client* client,
+                             const std::vector<client::Client*>& caller_clients, std::ostream* log);
 
 // The one-paragraph human summary of a result, for the terminal.
 std::string FormatSummary(const Json& result);

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,11 @@ ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9464",
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(60), "Deadline of each call");
 ABSL_FLAG(absl::Duration, wait_for_server, absl::Seconds(10), "How long to wait for the channel to connect");
 ABSL_FLAG(int64_t, max_message_bytes, 64 << 20, "Client send/receive limit (keep >= the server's)");
+ABSL_FLAG(bool, connection_per_caller, true,
+          "Closed loop: each caller on a TCP/HTTP/2 connection of its own (false: all share one)");
+ABSL_FLAG(int32_t, http2_window_bytes, 8 << 20,
+          "HTTP/2 stream window this client grants, fixed (no BDP probing); 0: gRPC's default");
+ABSL_FLAG(int32_t, http2_max_frame_bytes, 0, "Largest HTTP/2 frame this client accepts; 0: gRPC's 16 KiB");
 
 ABSL_FLAG(std::string, mode, "closed", "closed (concurrency callers) | open (steps arrive at --rate)");
 ABSL_FLAG(std::string, api, "unary", "closed loop: unary Decode calls | stream (one DecodeStream per caller)");
@@ -167,6 +173,8 @@ int main(int argc, char** argv) {
   client_options.target = absl::GetFlag(FLAGS_target);
   client_options.timeout = absl::GetFlag(FLAGS_timeout);
   client_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  client_options.http2_window_bytes = absl::GetFlag(FLAGS_http2_window_bytes);
+  client_options.http2_max_frame_bytes = absl::GetFlag(FLAGS_http2_max_frame_bytes);
   auto client = pagedattn::client::Client::Connect(client_options);
   if (!client.ok()) {
     std::cerr << "pagedattn-loadgen: " << client.status() << "\n";
@@ -175,6 +183,28 @@ int main(int argc, char** argv) {
   if (absl::Status s = (*client)->WaitForConnected(absl::GetFlag(FLAGS_wait_for_server)); !s.ok()) {
     std::cerr << "pagedattn-loadgen: " << s << "\n";
     return 1;
+  }
+
+  // One client (and connection) per closed-loop caller beyond the first, which uses `client`.
+  std::vector<std::unique_ptr<pagedattn::client::Client>> extra;
+  std::vector<pagedattn::client::Client*> callers;
+  if (absl::GetFlag(FLAGS_connection_per_caller) && base.mode == "closed" && base.concurrency > 1) {
+    callers.push_back(client->get());
+    pagedattn::client::ClientOptions own = client_options;
+    own.own_connection = true;
+    for (int32_t c = 1; c < base.concurrency; ++c) {
+      auto more = pagedattn::client::Client::Connect(own);
+      if (!more.ok()) {
+        std::cerr << "pagedattn-loadgen: " << more.status() << "\n";
+        return 2;
+      }
+      if (absl::Status s = (*more)->WaitForConnected(absl::GetFlag(FLAGS_wait_for_server)); !s.ok()) {
+        std::cerr << "pagedattn-loadgen: " << s << "\n";
+        return 1;
+      }
+      callers.push_back(more->get());
+      extra.push_back(*std::move(more));
+    }
   }
 
   Json points = Json::Array();
@@ -189,7 +219,7 @@ int main(int argc, char** argv) {
         o.lengths.fixed_len = ctx;
         o.num_sequences = 0;
       }
-      absl::StatusOr<Json> result = pagedattn::loadgen::RunLoad(o, client->get(), &std::cerr);
+      absl::StatusOr<Json> result = pagedattn::loadgen::RunLoad(o, client->get(), callers, &std::cerr);
       if (!result.ok()) {
         std::cerr << "pagedattn-loadgen: " << result.status() << "\n";
         if (!sweep) return result.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;

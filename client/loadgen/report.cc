@@ -1,5 +1,6 @@
 #include "client/loadgen/report.h"
 
+#include <algorithm>
 #include <cmath>
 #include <initializer_list>
 #include <utility>
@@ -91,6 +92,13 @@ Json BuildResult(const RunFacts& f, RunState& state) {
   cfg.Set("mode", o.mode);
   cfg.Set("api", o.api);
   cfg.Set("concurrency", o.concurrency);
+  // Distinct client connections of the closed-loop callers (1: all on one HTTP/2 connection).
+  {
+    std::vector<client::Client*> distinct(state.callers.begin(), state.callers.end());
+    std::sort(distinct.begin(), distinct.end());
+    distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+    cfg.Set("caller_connections", static_cast<int64_t>(std::max<size_t>(1, distinct.size())));
+  }
   cfg.Set("batch_size", o.batch_size);
   cfg.Set("num_sequences", n);
   cfg.Set("num_layers", state.num_layers);

@@ -48,6 +48,9 @@ struct RunState {
 
   const LoadGenOptions& options;
   client::Client* client;
+  // Closed-loop callers' clients (caller c uses callers[c % size]); empty: all use `client`.
+  std::vector<client::Client*> callers;
+  client::Client* CallerClient(size_t c) const { return callers.empty() ? client : callers[c % callers.size()]; }
   int32_t num_layers = 1;
   std::vector<Sequence> sequences;
   std::vector<std::vector<int32_t>> batches;  // indices into sequences

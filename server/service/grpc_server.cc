@@ -40,6 +40,11 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const Options& opt
   if (options.stream_max_in_flight < 1) {
     return absl::InvalidArgumentError("stream_max_in_flight must be > 0");
   }
+  if (options.http2_window_bytes < 0) return absl::InvalidArgumentError("http2_window_bytes must be >= 0");
+  if (options.http2_max_frame_bytes != 0 &&
+      (options.http2_max_frame_bytes < (16 << 10) || options.http2_max_frame_bytes >= (16 << 20))) {
+    return absl::InvalidArgumentError("http2_max_frame_bytes must be 0 or in [16 KiB, 16 MiB)");
+  }
   if (options.health_poll_interval <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("health_poll_interval must be > 0");
   }
@@ -60,6 +65,13 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const Options& opt
   builder.AddListeningPort(options.address, *credentials, &server->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  if (options.http2_window_bytes > 0) {
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, options.http2_window_bytes);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  }
+  if (options.http2_max_frame_bytes > 0) {
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, options.http2_max_frame_bytes);
+  }
   builder.RegisterService(server->service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {

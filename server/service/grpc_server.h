@@ -38,6 +38,12 @@ class GrpcServer {
     int64_t max_message_bytes = 64 << 20;
     // DecodeStream: requests in flight per stream.
     int32_t stream_max_in_flight = 32;
+    // HTTP/2 stream flow-control window this server grants (bytes, > 0), fixed: gRPC's
+    // bandwidth-delay probing is turned off. 0: gRPC's default (64 KiB, grown by probing),
+    // which makes a ~0.5 MB Decode request wait for window updates on its way in.
+    int32_t http2_window_bytes = 8 << 20;
+    // Largest HTTP/2 frame this server accepts (16 KiB .. 16 MiB - 1); 0: gRPC's 16 KiB.
+    int32_t http2_max_frame_bytes = 0;
     // How often the watcher polls engine.health().
     absl::Duration health_poll_interval = absl::Milliseconds(200);
   };

@@ -36,21 +36,28 @@ class ServiceTest : public ::testing::Test {
     options.num_pages = 32;
     options.max_batch_size = 8;
     options.max_queue_delay = absl::Microseconds(500);
+    ConfigureEngine(&options);
     auto engine = Engine::Create(options, *std::move(backend), &metrics_);
     ASSERT_TRUE(engine.ok()) << engine.status();
     engine_ = *std::move(engine);
     GrpcServer::Options server_options;
     server_options.address = "127.0.0.1:0";
     server_options.stream_max_in_flight = 4;
+    ConfigureServer(&server_options);
     auto server = GrpcServer::Start(server_options, engine_.get(), &metrics_);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
     client::ClientOptions client_options;
     client_options.target = absl::StrCat("127.0.0.1:", server_->port());
+    ConfigureClient(&client_options);
     auto c = client::Client::Connect(client_options);
     ASSERT_TRUE(c.ok()) << c.status();
     client_ = *std::move(c);
   }
+
+  virtual void ConfigureEngine(Engine::Options* /*options*/) {}
+  virtual void ConfigureServer(GrpcServer::Options* /*options*/) {}
+  virtual void ConfigureClient(client::ClientOptions* /*options*/) {}
 
   void TearDown() override {
     if (server_) server_->Shutdown(absl::Now() + absl::Seconds(2));
@@ -180,6 +187,68 @@ TEST_F(ServiceTest, UnaryCallsAreCountedByMethodAndCode) {
   EXPECT_EQ(CounterValue("CreateSequence", "ALREADY_EXISTS"), 1.0);
   EXPECT_EQ(CounterValue("ReleaseSequence", "NOT_FOUND"), 1.0);
   EXPECT_EQ(CounterValue("Decode", "INVALID_ARGUMENT"), 1.0);
+}
+
+// The server as the CUDA backend runs it (completion thread, spinning) with large HTTP/2
+// windows and frames on both sides, and gRPC's defaults (no fixed window) on the server.
+class ServiceCompletionThreadTest : public ServiceTest {
+ protected:
+  void ConfigureEngine(Engine::Options* options) override {
+    options->completion_thread = true;
+    options->idle_spin = absl::Microseconds(200);
+  }
+  void ConfigureServer(GrpcServer::Options* options) override { options->http2_max_frame_bytes = 1 << 20; }
+  void ConfigureClient(client::ClientOptions* options) override {
+    options->http2_window_bytes = 4 << 20;
+    options->http2_max_frame_bytes = 1 << 20;
+    options->own_connection = true;
+  }
+};
+
+class ServiceDefaultWindowTest : public ServiceTest {
+ protected:
+  void ConfigureServer(GrpcServer::Options* options) override { options->http2_window_bytes = 0; }
+};
+
+TEST_F(ServiceCompletionThreadTest, StreamAndUnaryAnswersMatchInOrder) {
+  Fill(1, 70);
+  Fill(2, 130);
+  std::vector<v1::DecodeRequest> requests;
+  for (uint64_t i = 0; i < 24; ++i) requests.push_back(AttendOnly(2000 + i, {1, 2}));
+  std::unique_ptr<client::DecodeStream> stream = client_->OpenDecodeStream();
+  std::thread writer([&] {
+    for (const auto& r : requests) ASSERT_TRUE(stream->Write(r));
+    stream->WritesDone();
+  });
+  std::vector<v1::DecodeResponse> responses;
+  v1::DecodeResponse response;
+  while (stream->Read(&response)) responses.push_back(response);
+  writer.join();
+  ASSERT_TRUE(stream->Finish().ok());
+  ASSERT_EQ(responses.size(), requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_EQ(responses[i].request_id(), requests[i].request_id());
+    auto unary = client_->Decode(requests[i]);
+    ASSERT_TRUE(unary.ok()) << unary.status();
+    EXPECT_EQ(responses[i].output(), unary->output()) << i;
+    EXPECT_EQ(responses[i].lse(), unary->lse()) << i;
+  }
+}
+
+TEST_F(ServiceCompletionThreadTest, UnaryErrorsAreCounted) {
+  ASSERT_TRUE(client_->CreateSequence(9).ok());
+  v1::DecodeRequest dup = AttendOnly(1, {9, 9});
+  EXPECT_EQ(client_->Decode(dup).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client_->Decode(AttendOnly(2, {10})).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(CounterValue("Decode", "INVALID_ARGUMENT"), 1.0);
+  EXPECT_EQ(CounterValue("Decode", "NOT_FOUND"), 1.0);
+}
+
+TEST_F(ServiceDefaultWindowTest, LargeAppendAndDecodeGoThrough) {
+  Fill(1, 2000);  // 4 MB of K+V per layer in one AppendKV
+  auto out = client_->Decode(AttendOnly(4, {1}));
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->output().size(), static_cast<size_t>(kQElems * 2));
 }
 
 TEST_F(ServiceTest, ModelConfigReportsTheEngineAndMessageLimit) {
