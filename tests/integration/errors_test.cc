@@ -2,9 +2,12 @@
 // untouched witness sequence exactly as they were.
 #include <signal.h>
 
+#include <cmath>
+#include <cstring>
 #include <limits>
 #include <thread>
 
+#include "client/bf16.h"
 #include "tests/integration/integration_test.h"
 
 namespace pagedattn::testing {
@@ -190,6 +193,84 @@ TEST_F(ErrorTest, UnavailableWhenTheQueueIsFullChangesNothing) {
   PoolSnapshot after = Snapshot();
   EXPECT_EQ(after.tokens, before_.tokens + ok);
   EXPECT_EQ(after.sequences, before_.sequences);
+}
+
+// NaN and Inf are not refused (README, "Errors"): they are computed as IEEE arithmetic does and
+// reach only the sequences whose data hold them.
+TEST_F(ErrorTest, NonFiniteValuesReachOnlyTheirOwnSequence) {
+  StartWithWitness({});
+  Prefill(3, 30);
+  Prefill(4, 70);
+  const PoolSnapshot start = Snapshot();
+  // One step over sequences 2, 3 and 4: a NaN in q of sequence 2 (head 0, dim 0), +Inf in the
+  // new V row of sequence 3 (KV head 0, dim 0); sequence 4 is clean.
+  v1::DecodeRequest step = RandomDecode(50, 0, {2, 3, 4}, true, rng_);
+  constexpr uint16_t kNan = 0x7FC0, kInf = 0x7F80;
+  std::memcpy(step.mutable_q()->data() + 0, &kNan, 2);
+  std::memcpy(step.mutable_v()->data() + 1 * kKvRowElems * 2, &kInf, 2);
+  auto response = client_->Decode(step);
+  ASSERT_TRUE(response.ok()) << response.status();
+  mirror_->Apply(step);
+  const std::vector<float> out = client::DecodeBf16(response->output());
+  const std::vector<float> lse = client::DecodeFloat32(response->lse());
+  ASSERT_EQ(out.size(), 3 * kQElems);
+  ASSERT_EQ(lse.size(), 3 * 24u);
+  // Sequence 2: head 0 is NaN throughout (its scores are NaN); the other 23 heads are finite.
+  for (int h = 0; h < 24; ++h) {
+    for (int d = 0; d < 128; ++d) {
+      const float x = out[h * 128 + d];
+      if (h == 0) {
+        ASSERT_TRUE(std::isnan(x)) << "seq 2 head 0 dim " << d << ": " << x;
+      } else {
+        ASSERT_TRUE(std::isfinite(x)) << "seq 2 head " << h << " dim " << d << ": " << x;
+      }
+    }
+    EXPECT_EQ(std::isnan(lse[h]), h == 0) << "seq 2 lse head " << h << ": " << lse[h];
+  }
+  // Sequence 3: the Inf reaches dim 0 of the 6 query heads of KV head 0; scores stay finite.
+  for (int h = 0; h < 24; ++h) {
+    for (int d = 0; d < 128; ++d) {
+      const float x = out[kQElems + h * 128 + d];
+      if (h < 6 && d == 0) {
+        ASSERT_EQ(x, std::numeric_limits<float>::infinity()) << "seq 3 head " << h;
+      } else {
+        ASSERT_TRUE(std::isfinite(x)) << "seq 3 head " << h << " dim " << d << ": " << x;
+      }
+    }
+    EXPECT_TRUE(std::isfinite(lse[24 + h])) << "seq 3 lse head " << h;
+  }
+  // Sequence 4, in the same batch, is exactly what the reference says.
+  v1::DecodeRequest only4;
+  only4.set_request_id(step.request_id());
+  only4.add_sequence_ids(4);
+  only4.set_q(step.q().substr(2 * kQElems * 2, kQElems * 2));
+  only4.set_k(step.k().substr(2 * kKvRowElems * 2, kKvRowElems * 2));
+  only4.set_v(step.v().substr(2 * kKvRowElems * 2, kKvRowElems * 2));
+  v1::DecodeResponse response4;
+  response4.set_request_id(step.request_id());
+  response4.set_output(response->output().substr(2 * kQElems * 2));
+  response4.set_lse(response->lse().substr(2 * 24 * 4));
+  EXPECT_TRUE(mirror_->Check(only4, response4));
+  // The step was accepted like any other: one token each, nothing else moved.
+  const PoolSnapshot after = Snapshot();
+  EXPECT_EQ(after.tokens, start.tokens + 3);
+  EXPECT_EQ(after.sequences, start.sequences);
+  EXPECT_EQ(WitnessBytes(1), witness_);
+  // The Inf stays in sequence 3's cache (a later clean step still sees it); sequence 4 goes on.
+  v1::DecodeRequest next = RandomDecode(51, 0, {3, 4}, false, rng_);
+  auto again = client_->Decode(next);
+  ASSERT_TRUE(again.ok()) << again.status();
+  const std::vector<float> out2 = client::DecodeBf16(again->output());
+  EXPECT_EQ(out2[0], std::numeric_limits<float>::infinity());
+  v1::DecodeRequest next4 = next;
+  next4.clear_sequence_ids();
+  next4.add_sequence_ids(4);
+  next4.set_q(next.q().substr(kQElems * 2));
+  v1::DecodeResponse again4;
+  again4.set_request_id(next.request_id());
+  again4.set_output(again->output().substr(kQElems * 2));
+  again4.set_lse(again->lse().substr(24 * 4));
+  EXPECT_TRUE(mirror_->Check(next4, again4));
 }
 
 TEST_F(ErrorTest, UnavailableAfterShutdown) {
