@@ -24,7 +24,7 @@ build_pkgs=(
 )
 test_pkgs=(
   prometheus python3 python3-grpcio python3-protobuf python3-yaml
-  docker-compose openssl curl procps
+  docker-compose openssl curl procps clang libclang-rt-dev
   nodejs
 )
 # The deploy checks (tests/deploy) install their npm packages from deploy/lint's lockfile.

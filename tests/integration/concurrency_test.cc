@@ -13,7 +13,9 @@ namespace {
 class ConcurrencyTest : public IntegrationTest {};
 
 TEST_F(ConcurrencyTest, ConcurrentClientsShareBatches) {
-  StartServer({"--max_queue_delay_us=5000", "--max_batch_size=64"});
+  // 20 ms of batching delay: enough for 8 clients to meet in one batch also under TSan, where a
+  // client's own reference check between its calls takes milliseconds.
+  StartServer({"--max_queue_delay_us=20000", "--max_batch_size=64"});
   constexpr int kClients = 8;
   constexpr int kSteps = 12;
   // Each client owns one sequence and its mirror.
