@@ -62,6 +62,9 @@ ABSL_FLAG(int32_t, cuda_max_in_flight, 2,
 ABSL_FLAG(int64_t, cuda_spin_wait_us, 2000,
           "CUDA backend: microseconds the executor spins on a batch's completion before it "
           "sleeps between polls");
+ABSL_FLAG(int32_t, cuda_copy_threads, 4,
+          "CUDA backend: host threads (1..64, the executor included) that copy a batch's q and "
+          "k/v rows into pinned memory and its outputs out of it, when it has 128 KiB or more");
 ABSL_FLAG(int64_t, idle_spin_us, -1,
           "Microseconds the engine's executor and completion threads spin for new work before "
           "they sleep (a core each while they spin; saves a thread wake-up per request); -1: "
@@ -104,6 +107,7 @@ CudaBackend::Options CudaOptionsFromFlags() {
   CudaBackend::Options options;
   options.max_in_flight = absl::GetFlag(FLAGS_cuda_max_in_flight);
   options.spin_wait_us = absl::GetFlag(FLAGS_cuda_spin_wait_us);
+  options.copy_threads = absl::GetFlag(FLAGS_cuda_copy_threads);
   return options;
 }
 #endif

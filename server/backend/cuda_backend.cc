@@ -17,7 +17,9 @@
 #include "pagedattn/kernels/decode.h"
 #include "pagedattn/kernels/decode_plan.h"
 #include "pagedattn/kernels/kv_write.h"
+#include "server/backend/copy_list.h"
 #include "server/backend/cuda_staging.h"
+#include "server/backend/thread_pool.h"
 
 namespace pagedattn {
 
@@ -164,6 +166,8 @@ struct CudaBackend::Impl {
   bool abandoned = false;  // a wait timed out: the device may never finish, so never block on it
   std::vector<Round> rounds;            // scratch of Launch
   std::vector<int32_t> rebased_indptr;  // scratch of Launch: [max_batch_size + 1]
+  std::unique_ptr<ThreadPool> copier;   // runs `copies`
+  CopyList copies;                      // scratch of Launch and Wait: one round's host copies
 
   ~Impl();
   absl::Status Fail(absl::Status s) {
@@ -211,9 +215,18 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Options& 
   }
   if (options.spin_wait_us < 0) return absl::InvalidArgumentError("spin_wait_us must be >= 0");
   if (options.wait_timeout_ms <= 0) return absl::InvalidArgumentError("wait_timeout_ms must be > 0");
+  if (options.copy_threads < 1 || options.copy_threads > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("copy_threads must be in 1..64, got ", options.copy_threads));
+  }
   PA_RETURN_IF_ERROR(CheckDevice(options.device));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  absl::StatusOr<std::unique_ptr<ThreadPool>> pool =
+      ThreadPool::Create({.num_threads = options.copy_threads,
+                          .spin = absl::Microseconds(options.spin_wait_us)});
+  if (!pool.ok()) return pool.status();
+  impl->copier = *std::move(pool);
   return std::unique_ptr<CudaBackend>(new CudaBackend(std::move(impl)));
 }
 
@@ -368,22 +381,24 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
     const RoundLayout l = LayoutRound(ns, ni, r.num_copies(), r.num_tokens());
     char* const h = slot.host_in;
     char* const dev = slot.dev_in;
+    copies.Clear();
     for (int32_t s = 0; s < ns; ++s) {
-      std::memcpy(h + l.q + s * kQueryBytes, batch.q[r.seq_begin + s], kQueryBytes);
+      copies.Add(h + l.q + s * kQueryBytes, batch.q[r.seq_begin + s], kQueryBytes);
     }
     if (ni > 0) {
-      std::memcpy(h + l.indices, plan.kv_indices.data() + plan.kv_indptr[r.seq_begin],
-                  ni * sizeof(int32_t));
+      copies.Add(h + l.indices, plan.kv_indices.data() + plan.kv_indptr[r.seq_begin],
+                 ni * sizeof(int32_t));
     }
     if (r.num_copies() > 0) {
-      std::memcpy(h + l.copies, batch.page_copies.data() + r.copy_begin,
-                  r.num_copies() * sizeof(PageCopy));
+      copies.Add(h + l.copies, batch.page_copies.data() + r.copy_begin,
+                 r.num_copies() * sizeof(PageCopy));
     }
     if (r.num_tokens() > 0) {
       PackTokens(batch, r.num_tokens(), &cursor, reinterpret_cast<int64_t*>(h + l.slots),
                  reinterpret_cast<uint16_t*>(h + l.k_rows),
-                 reinterpret_cast<uint16_t*>(h + l.v_rows));
+                 reinterpret_cast<uint16_t*>(h + l.v_rows), &copies);
     }
+    copies.Run(copier.get());
     PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, h, l.bytes, cudaMemcpyHostToDevice, stream));
 
     if (r.num_copies() > 0) {
@@ -492,10 +507,12 @@ absl::Status CudaBackend::Wait(BackendBatch* batch) {
   batch->kernel_seconds = 0.0;
   if (slot.timed) {
     const int32_t b = batch->plan.batch_size();
+    d.copies.Clear();
     for (int32_t i = 0; i < b; ++i) {
-      std::memcpy(batch->output[i], slot.host_out + i * kQueryBytes, kQueryBytes);
-      std::memcpy(batch->lse[i], slot.host_out + LseOffset(b) + i * kLseBytes, kLseBytes);
+      d.copies.Add(batch->output[i], slot.host_out + i * kQueryBytes, kQueryBytes);
+      d.copies.Add(batch->lse[i], slot.host_out + LseOffset(b) + i * kLseBytes, kLseBytes);
     }
+    d.copies.Run(d.copier.get());
     float ms = 0.0f;
     if (const cudaError_t e = cudaEventElapsedTime(&ms, slot.start, slot.stop); e != cudaSuccess) {
       return d.Fail(CudaError("cudaEventElapsedTime", e));

@@ -7,7 +7,8 @@
 //     arena (pinned host + device copy, StagingCapacity::ArenaBytes: q rows, kv_indices, page
 //     copies, token slots and K/V rows of one round), an output buffer (pinned host + device,
 //     output rows then lse rows), and four events.
-// A Launch packs the batch into its slot's pinned arena and enqueues, on the backend's one
+// A Launch packs the batch into its slot's pinned arena (the copies spread over copy_threads
+// host threads when large, see copy_list.h) and enqueues, on the backend's one
 // stream: one host-to-device copy of the arena, the page-copy kernel, the scatter kernel, the
 // decoder's Plan (its own table copy) and Run between two timing events, one device-to-host
 // copy of output and lse, and the slot's done event. A batch over a staging capacity (see
@@ -46,6 +47,7 @@ class CudaBackend final : public Backend {
     int32_t num_ctas = 0;           // decoder thread blocks; 0: one per SM
     int64_t spin_wait_us = 2000;    // Wait spins this long on the done event, then sleeps
     int64_t wait_timeout_ms = 60000;  // a batch not done by then fails the backend
+    int32_t copy_threads = 4;       // host threads packing inputs and outputs, caller included
   };
 
   // INVALID_ARGUMENT for bad options; UNAVAILABLE without a device; FAILED_PRECONDITION when

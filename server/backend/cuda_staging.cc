@@ -97,17 +97,17 @@ int64_t WrittenTokens(const BackendBatch& batch) {
 }
 
 void PackTokens(const BackendBatch& batch, int64_t count, TokenCursor* cursor, int64_t* slots,
-                uint16_t* k_rows, uint16_t* v_rows) {
+                uint16_t* k_rows, uint16_t* v_rows, CopyList* copies) {
   int64_t done = 0;
   while (done < count) {
     const TokenWrite& w = batch.writes[cursor->write];
     const int64_t n = std::min<int64_t>(count - done, w.num_tokens - cursor->offset);
     if (n > 0) {
-      std::memcpy(slots + done, batch.write_slots.data() + w.slot_begin + cursor->offset,
+      copies->Add(slots + done, batch.write_slots.data() + w.slot_begin + cursor->offset,
                   n * sizeof(int64_t));
-      std::memcpy(k_rows + done * k::kTokenElems, w.k + int64_t{cursor->offset} * k::kTokenElems,
+      copies->Add(k_rows + done * k::kTokenElems, w.k + int64_t{cursor->offset} * k::kTokenElems,
                   n * kRowBytes);
-      std::memcpy(v_rows + done * k::kTokenElems, w.v + int64_t{cursor->offset} * k::kTokenElems,
+      copies->Add(v_rows + done * k::kTokenElems, w.v + int64_t{cursor->offset} * k::kTokenElems,
                   n * kRowBytes);
       done += n;
       cursor->offset += static_cast<int32_t>(n);

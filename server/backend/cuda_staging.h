@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "pagedattn/kernels/decode.h"
 #include "server/backend/backend.h"
+#include "server/backend/copy_list.h"
 
 namespace pagedattn {
 
@@ -87,10 +88,11 @@ struct TokenCursor {
   int32_t offset = 0;  // tokens of that write already packed
 };
 
-// Packs the next `count` written tokens at *cursor into slots [count], k_rows and v_rows
-// [count, 4, 128] and advances the cursor. The caller asks for no more tokens than are left.
+// Adds to `copies` the packing of the next `count` written tokens at *cursor into slots
+// [count], k_rows and v_rows [count, 4, 128], and advances the cursor (the bytes move when the
+// caller runs the list). The caller asks for no more tokens than are left.
 void PackTokens(const BackendBatch& batch, int64_t count, TokenCursor* cursor, int64_t* slots,
-                uint16_t* k_rows, uint16_t* v_rows);
+                uint16_t* k_rows, uint16_t* v_rows, CopyList* copies);
 
 // Pages per layer that fit in budget_bytes: each page costs bytes_per_page (K and V of every
 // layer, and whatever staging grows with the pool), after fixed_bytes; clamped so that

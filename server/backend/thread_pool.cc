@@ -1,5 +1,8 @@
 #include "server/backend/thread_pool.h"
 
+#include <chrono>
+#include <thread>
+
 #include "absl/status/status.h"
 
 namespace pagedattn {
@@ -8,7 +11,9 @@ absl::StatusOr<std::unique_ptr<ThreadPool>> ThreadPool::Create(const Options& op
   if (options.num_threads < 1 || options.num_threads > 1024) {
     return absl::InvalidArgumentError("num_threads must be in [1, 1024]");
   }
+  if (options.spin < absl::ZeroDuration()) return absl::InvalidArgumentError("spin must be >= 0");
   std::unique_ptr<ThreadPool> pool(new ThreadPool());
+  pool->spin_ = options.spin;
   pool->workers_.reserve(options.num_threads - 1);
   for (int32_t i = 1; i < options.num_threads; ++i) {
     pool->workers_.emplace_back([p = pool.get()] { p->WorkerMain(); });
@@ -19,7 +24,7 @@ absl::StatusOr<std::unique_ptr<ThreadPool>> ThreadPool::Create(const Options& op
 ThreadPool::~ThreadPool() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
+    stop_.store(true);
   }
   work_cv_.notify_all();
   for (std::thread& t : workers_) t.join();
@@ -35,17 +40,26 @@ void ThreadPool::RunShare(Loop* loop) {
 void ThreadPool::WorkerMain() {
   uint64_t seen = 0;
   while (true) {
+    if (spin_ > absl::ZeroDuration()) {
+      const auto end = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(spin_);
+      while (generation_.load(std::memory_order_acquire) == seen && !stop_.load() &&
+             std::chrono::steady_clock::now() < end) {
+        std::this_thread::yield();
+      }
+    }
     Loop* loop;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      work_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
+      work_cv_.wait(lock, [&] { return stop_.load() || generation_.load() != seen; });
+      if (stop_.load()) return;
+      seen = generation_.load();
       loop = loop_;
     }
     RunShare(loop);
-    std::lock_guard<std::mutex> lock(mu_);
-    if (--busy_workers_ == 0) done_cv_.notify_one();
+    if (busy_workers_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      std::lock_guard<std::mutex> lock(mu_);  // the caller may be between its check and its wait
+      done_cv_.notify_one();
+    }
   }
 }
 
@@ -60,14 +74,17 @@ void ThreadPool::ParallelFor(int64_t n, absl::FunctionRef<void(int64_t)> fn) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     loop_ = &loop;
-    busy_workers_ = static_cast<int32_t>(workers_.size());
-    ++generation_;
+    busy_workers_.store(static_cast<int32_t>(workers_.size()));
+    generation_.fetch_add(1);
   }
   work_cv_.notify_all();
   RunShare(&loop);
-  std::unique_lock<std::mutex> lock(mu_);
   // Every worker must have left RunShare before `loop` goes out of scope.
-  done_cv_.wait(lock, [this] { return busy_workers_ == 0; });
+  if (spin_ > absl::ZeroDuration()) {
+    while (busy_workers_.load(std::memory_order_acquire) != 0) std::this_thread::yield();
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait(lock, [this] { return busy_workers_.load(std::memory_order_acquire) == 0; });
   loop_ = nullptr;
 }
 

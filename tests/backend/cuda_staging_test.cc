@@ -206,7 +206,9 @@ TEST(PackTokensTest, PacksWritesInOrderAcrossRounds) {
   for (int64_t chunk : {2, 4, 1}) {  // rounds of 2, 4 and 1 tokens
     std::vector<int64_t> s(chunk);
     std::vector<uint16_t> kr(chunk * k::kTokenElems), vr(chunk * k::kTokenElems);
-    PackTokens(batch, chunk, &cursor, s.data(), kr.data(), vr.data());
+    CopyList copies;
+    PackTokens(batch, chunk, &cursor, s.data(), kr.data(), vr.data(), &copies);
+    copies.Run(nullptr);
     slots.insert(slots.end(), s.begin(), s.end());
     kk.insert(kk.end(), kr.begin(), kr.end());
     vv.insert(vv.end(), vr.begin(), vr.end());

@@ -1,6 +1,7 @@
 #include "server/backend/thread_pool.h"
 
 #include <atomic>
+#include <chrono>
 #include <thread>
 #include <vector>
 
@@ -46,8 +47,24 @@ TEST(ThreadPoolTest, CallsFromManyThreadsSerialize) {
   EXPECT_EQ(sum.load(), 4 * 50 * 45);
 }
 
+// Spinning workers and caller: plain (non-atomic) writes by the workers must be visible to the
+// caller when ParallelFor returns (a TSan build checks the ordering), loops right after one
+// another (workers still spinning) and after a pause longer than the spin (workers asleep)
+// both run every index, and the pool stops while its workers spin.
+TEST(ThreadPoolTest, SpinningPoolHandsOverResultsAwakeAndAsleep) {
+  auto pool = *ThreadPool::Create({.num_threads = 4, .spin = absl::Milliseconds(5)});
+  std::vector<int64_t> out(257);
+  for (int round = 0; round < 300; ++round) {
+    if (round % 100 == 99) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    pool->ParallelFor(static_cast<int64_t>(out.size()), [&](int64_t i) { out[i] = i * round; });
+    for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], static_cast<int64_t>(i) * round);
+  }
+}
+
 TEST(ThreadPoolTest, RejectsBadOptions) {
   EXPECT_TRUE(absl::IsInvalidArgument(ThreadPool::Create({.num_threads = 0}).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      ThreadPool::Create({.num_threads = 2, .spin = absl::Microseconds(-1)}).status()));
 }
 
 }  // namespace
