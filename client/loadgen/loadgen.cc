@@ -251,8 +251,7 @@ absl::StatusOr<Json> RunLoad(const LoadGenOptions& o, client::Client* client,
   v1::GetStatsResponse stats_before, stats_after;
   auto scrape = [&](Scrape* into) {
     if (!want_metrics || !metrics_error.empty()) return;
-    absl::StatusOr<std::string> body = HttpGet(o.metrics_address, "/metrics");
-    absl::StatusOr<Scrape> parsed = body.ok() ? ParseExposition(*body) : absl::StatusOr<Scrape>(body.status());
+    absl::StatusOr<Scrape> parsed = ScrapeMetrics(o.metrics_address);
     if (parsed.ok()) {
       *into = *std::move(parsed);
     } else {

@@ -184,6 +184,12 @@ absl::StatusOr<std::string> HttpGet(const std::string& host_port, const std::str
   return body;
 }
 
+absl::StatusOr<Scrape> ScrapeMetrics(const std::string& host_port, absl::Duration timeout) {
+  absl::StatusOr<std::string> body = HttpGet(host_port, "/metrics", timeout);
+  if (!body.ok()) return body.status();
+  return ParseExposition(*body);
+}
+
 std::string SeriesKey(absl::string_view name, std::vector<std::pair<std::string, std::string>> labels) {
   if (labels.empty()) return std::string(name);
   std::sort(labels.begin(), labels.end());

@@ -29,6 +29,10 @@ absl::StatusOr<std::string> HttpGet(const std::string& host_port, const std::str
 using Scrape = std::map<std::string, double>;
 absl::StatusOr<Scrape> ParseExposition(absl::string_view text);
 
+// HttpGet of host_port's /metrics, parsed: the errors of either.
+absl::StatusOr<Scrape> ScrapeMetrics(const std::string& host_port,
+                                     absl::Duration timeout = absl::Seconds(5));
+
 // The series key of name with labels (sorted by the function).
 std::string SeriesKey(absl::string_view name, std::vector<std::pair<std::string, std::string>> labels = {});
 

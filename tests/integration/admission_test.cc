@@ -30,10 +30,7 @@ class AdmissionTest : public IntegrationTest {
 
   // One series of the server's /metrics (0 when absent).
   double Metric(const std::string& series) {
-    auto body = loadgen::HttpGet(absl::StrCat("127.0.0.1:", server_->metrics_port()), "/metrics");
-    EXPECT_TRUE(body.ok()) << body.status();
-    if (!body.ok()) return -1;
-    auto scrape = loadgen::ParseExposition(*body);
+    auto scrape = loadgen::ScrapeMetrics(absl::StrCat("127.0.0.1:", server_->metrics_port()));
     EXPECT_TRUE(scrape.ok()) << scrape.status();
     if (!scrape.ok()) return -1;
     auto it = scrape->find(series);

@@ -294,9 +294,7 @@ TEST_F(SoakTest, RandomClientsLeaveNothingBehind) {
   EXPECT_TRUE(stats->healthy());
 
   // The server saw no status but OK and RESOURCE_EXHAUSTED.
-  auto body = loadgen::HttpGet(absl::StrCat("127.0.0.1:", server_->metrics_port()), "/metrics");
-  ASSERT_TRUE(body.ok()) << body.status();
-  auto scrape = loadgen::ParseExposition(*body);
+  auto scrape = loadgen::ScrapeMetrics(absl::StrCat("127.0.0.1:", server_->metrics_port()));
   ASSERT_TRUE(scrape.ok()) << scrape.status();
   double counted = 0;
   for (const auto& [series, value] : *scrape) {

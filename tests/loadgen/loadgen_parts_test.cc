@@ -191,6 +191,7 @@ TEST(ServerMetricsTest, HistogramDeltaMeanAndQuantiles) {
 TEST(ServerMetricsTest, HttpGetFailsCleanlyWithoutAServer) {
   EXPECT_TRUE(absl::IsUnavailable(HttpGet("127.0.0.1:1", "/metrics", absl::Seconds(2)).status()));
   EXPECT_TRUE(absl::IsInvalidArgument(HttpGet("no-port", "/metrics").status()));
+  EXPECT_TRUE(absl::IsUnavailable(ScrapeMetrics("127.0.0.1:1", absl::Seconds(2)).status()));
 }
 
 TEST(RandomPoolTest, SlicesHaveTheAskedSizeAndVary) {
