@@ -3,6 +3,7 @@
 #include <fstream>
 #include <limits>
 #include <sstream>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -16,6 +17,12 @@ namespace pagedattn::client {
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+absl::Status ResponseStatus(const v1::DecodeResponse& response) {
+  if (response.error_code() == 0) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(response.error_code()),
+                      response.error_message());
 }
 
 DecodeStream::DecodeStream(
@@ -193,6 +200,23 @@ std::unique_ptr<DecodeStream> Client::OpenDecodeStream() {
   context->set_wait_for_ready(options_.wait_for_ready);
   auto stream = stub_->DecodeStream(context.get());
   return std::make_unique<DecodeStream>(std::move(context), std::move(stream));
+}
+
+absl::StatusOr<std::vector<v1::DecodeResponse>> Client::DecodeAll(
+    const std::vector<v1::DecodeRequest>& requests) {
+  std::unique_ptr<DecodeStream> stream = OpenDecodeStream();
+  std::thread writer([&] {
+    for (const v1::DecodeRequest& r : requests) {
+      if (!stream->Write(r)) break;
+    }
+    stream->WritesDone();
+  });
+  std::vector<v1::DecodeResponse> responses;
+  v1::DecodeResponse response;
+  while (stream->Read(&response)) responses.push_back(std::move(response));
+  writer.join();
+  if (absl::Status s = stream->Finish(); !s.ok()) return s;
+  return responses;
 }
 
 }  // namespace pagedattn::client

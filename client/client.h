@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -62,6 +63,10 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
 // grpc::Status -> absl::Status, code for code.
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
+// The status a DecodeStream response carries for its own request (error_code, error_message;
+// OK when error_code is 0): a stream stays open when one of its requests fails.
+absl::Status ResponseStatus(const v1::DecodeResponse& response);
+
 // A bidirectional DecodeStream. Responses come in request order.
 class DecodeStream {
  public:
@@ -105,6 +110,11 @@ class Client {
   absl::StatusOr<v1::GetStatsResponse> GetStats();
   // A stream with no deadline (the options' timeout does not apply).
   std::unique_ptr<DecodeStream> OpenDecodeStream();
+  // Sends `requests` on one new DecodeStream (written from a thread of its own while the
+  // responses are read, so the server may pipeline them), then finishes it: the responses in
+  // order (each may carry its own error_code), or the stream's status when it ends otherwise.
+  absl::StatusOr<std::vector<v1::DecodeResponse>> DecodeAll(
+      const std::vector<v1::DecodeRequest>& requests);
 
   // A context with the options' deadline and wait-for-ready, for calls made through stub().
   std::unique_ptr<grpc::ClientContext> NewContext() const;

@@ -1,14 +1,13 @@
 #include "client/health/health_probe.h"
 
 #include <chrono>
-#include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "client/client.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
@@ -22,37 +21,14 @@ namespace {
 using ::grpc::health::v1::HealthCheckRequest;
 using ::grpc::health::v1::HealthCheckResponse;
 
-// gRPC and Abseil share the canonical code numbering (0..16).
-absl::Status FromGrpc(const grpc::Status& status) {
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
-}
-
-absl::StatusOr<std::string> ReadPem(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream content;
-  if (in) content << in.rdbuf();
-  if (!in || in.bad()) return absl::InvalidArgumentError(absl::StrCat("cannot read ", path));
-  return content.str();
-}
-
+// The client library's TLS rules and files, for the probe's flags.
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> Credentials(const ProbeOptions& options) {
-  if (!options.tls && options.tls_ca_file.empty() && options.tls_cert_file.empty() &&
-      options.tls_key_file.empty()) {
-    return grpc::InsecureChannelCredentials();
-  }
-  if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
-    return absl::InvalidArgumentError("--tls_cert and --tls_key go together");
-  }
-  grpc::SslCredentialsOptions ssl;
-  for (auto [path, pem] : {std::pair{&options.tls_ca_file, &ssl.pem_root_certs},
-                           std::pair{&options.tls_cert_file, &ssl.pem_cert_chain},
-                           std::pair{&options.tls_key_file, &ssl.pem_private_key}}) {
-    if (path->empty()) continue;
-    absl::StatusOr<std::string> content = ReadPem(*path);
-    if (!content.ok()) return content.status();
-    *pem = *std::move(content);
-  }
-  return grpc::SslCredentials(ssl);
+  client::ClientOptions tls;
+  tls.tls = options.tls;
+  tls.tls_ca_file = options.tls_ca_file;
+  tls.tls_cert_file = options.tls_cert_file;
+  tls.tls_key_file = options.tls_key_file;
+  return client::ChannelCredentialsFor(tls);
 }
 
 }  // namespace
@@ -78,7 +54,7 @@ absl::StatusOr<std::string> Check(const ProbeOptions& options) {
   request.set_service(options.service);
   HealthCheckResponse response;
   grpc::Status status = stub->Check(&context, request, &response);
-  if (!status.ok()) return FromGrpc(status);
+  if (!status.ok()) return client::FromGrpcStatus(status);
   return HealthCheckResponse::ServingStatus_Name(response.status());
 }
 

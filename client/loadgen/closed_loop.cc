@@ -152,13 +152,11 @@ bool Caller::RunStream(const Phase& phase, client::DecodeStream* stream) {
     const SteadyClock::time_point t1 = SteadyClock::now();
     Pending p = std::move(pending.front());
     pending.pop_front();
-    absl::Status status;
-    if (response.error_code() != 0) {
-      status = absl::Status(static_cast<absl::StatusCode>(response.error_code()), response.error_message());
-    } else if (response.request_id() != p.request_id) {
-      status = absl::InternalError("DecodeStream answered out of order");
-    } else {
-      status = TakeDecodeResponse(state_, p.batch, p.layer, response, p.tickets);
+    absl::Status status = client::ResponseStatus(response);
+    if (status.ok()) {
+      status = response.request_id() != p.request_id
+                   ? absl::InternalError("DecodeStream answered out of order")
+                   : TakeDecodeResponse(state_, p.batch, p.layer, response, p.tickets);
     }
     if (!status.ok()) {
       state_.CountError(status);

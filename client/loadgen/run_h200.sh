@@ -59,6 +59,9 @@ run a_b64_ctx4096_c4 --concurrency=4 --batch_size=$a_batch --context_len=$a_ctx 
   --steps="$(steps 500 50)" --check_sequences=4 --check_decodes=64
 run a_b64_ctx4096_c4_stream --concurrency=4 --api=stream --stream_in_flight=2 --batch_size=$a_batch \
   --context_len=$a_ctx --warmup_steps="$(warm 20)" --steps="$(steps 500 50)"
+# Eight callers: enough batches in flight that the GPU, not one caller's round trip, is the limit.
+run a_b64_ctx4096_c8 --concurrency=8 --batch_size=$a_batch --context_len=$a_ctx --warmup_steps="$(warm 20)" \
+  --steps="$(steps 500 50)"
 
 # (b) Single-sequence unary requests at low context: the server's added latency at p50
 # (request p50 minus the kernel's mean time).

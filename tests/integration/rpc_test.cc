@@ -1,5 +1,4 @@
 // Every RPC against the real server, results checked against the float64 reference.
-#include <thread>
 
 #include "tests/integration/integration_test.h"
 
@@ -150,16 +149,9 @@ TEST_F(RpcTest, DecodeStreamAppliesStepsInOrderAndAnswersInOrder) {
       requests.push_back(RandomDecode(1000 + requests.size(), layer, {1, 2}, true, rng_));
     }
   }
-  std::unique_ptr<client::DecodeStream> stream = client_->OpenDecodeStream();
-  std::thread writer([&] {
-    for (const auto& r : requests) EXPECT_TRUE(stream->Write(r));
-    stream->WritesDone();
-  });
-  std::vector<v1::DecodeResponse> responses;
-  v1::DecodeResponse response;
-  while (stream->Read(&response)) responses.push_back(response);
-  writer.join();
-  ASSERT_TRUE(stream->Finish().ok());
+  absl::StatusOr<std::vector<v1::DecodeResponse>> all = client_->DecodeAll(requests);
+  ASSERT_TRUE(all.ok()) << all.status();
+  const std::vector<v1::DecodeResponse>& responses = *all;
   ASSERT_EQ(responses.size(), requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {
     EXPECT_EQ(responses[i].error_code(), 0) << responses[i].error_message();

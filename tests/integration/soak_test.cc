@@ -168,10 +168,7 @@ class SoakClient {
     if (!stream_->Write(request) || !stream_->Read(&response)) {
       return absl::InternalError(absl::StrCat("stream broke: ", stream_->Finish().ToString()));
     }
-    if (response.error_code() != 0) {
-      return absl::Status(static_cast<absl::StatusCode>(response.error_code()),
-                          response.error_message());
-    }
+    if (absl::Status s = client::ResponseStatus(response); !s.ok()) return s;
     return response;
   }
 

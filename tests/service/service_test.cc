@@ -5,7 +5,6 @@
 #include <memory>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -111,16 +110,9 @@ TEST_F(ServiceTest, StreamAnswersInRequestOrderAndMatchesUnary) {
   std::vector<v1::DecodeRequest> requests;
   for (uint64_t i = 0; i < 40; ++i) requests.push_back(AttendOnly(1000 + i, {i % 3 == 0 ? 2u : 1u}));
 
-  std::unique_ptr<client::DecodeStream> stream = client_->OpenDecodeStream();
-  std::thread writer([&] {
-    for (const auto& r : requests) ASSERT_TRUE(stream->Write(r));
-    stream->WritesDone();
-  });
-  std::vector<v1::DecodeResponse> responses;
-  v1::DecodeResponse response;
-  while (stream->Read(&response)) responses.push_back(response);
-  writer.join();
-  ASSERT_TRUE(stream->Finish().ok());
+  absl::StatusOr<std::vector<v1::DecodeResponse>> all = client_->DecodeAll(requests);
+  ASSERT_TRUE(all.ok()) << all.status();
+  const std::vector<v1::DecodeResponse>& responses = *all;
 
   ASSERT_EQ(responses.size(), requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {
@@ -215,16 +207,9 @@ TEST_F(ServiceCompletionThreadTest, StreamAndUnaryAnswersMatchInOrder) {
   Fill(2, 130);
   std::vector<v1::DecodeRequest> requests;
   for (uint64_t i = 0; i < 24; ++i) requests.push_back(AttendOnly(2000 + i, {1, 2}));
-  std::unique_ptr<client::DecodeStream> stream = client_->OpenDecodeStream();
-  std::thread writer([&] {
-    for (const auto& r : requests) ASSERT_TRUE(stream->Write(r));
-    stream->WritesDone();
-  });
-  std::vector<v1::DecodeResponse> responses;
-  v1::DecodeResponse response;
-  while (stream->Read(&response)) responses.push_back(response);
-  writer.join();
-  ASSERT_TRUE(stream->Finish().ok());
+  absl::StatusOr<std::vector<v1::DecodeResponse>> all = client_->DecodeAll(requests);
+  ASSERT_TRUE(all.ok()) << all.status();
+  const std::vector<v1::DecodeResponse>& responses = *all;
   ASSERT_EQ(responses.size(), requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {
     EXPECT_EQ(responses[i].request_id(), requests[i].request_id());

@@ -10,7 +10,6 @@
 #include <memory>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -57,26 +56,15 @@ TEST(StreamOrderTest, StepsOnOneStreamAreAppliedInTheOrderSent) {
       requests.push_back(std::move(r));
     }
   }
-  std::unique_ptr<client::DecodeStream> stream = (*c)->OpenDecodeStream();
-  std::thread writer([&] {
-    for (const auto& r : requests) {
-      if (!stream->Write(r)) break;
-    }
-    stream->WritesDone();
-  });
+  absl::StatusOr<std::vector<v1::DecodeResponse>> responses = (*c)->DecodeAll(requests);
+  ASSERT_TRUE(responses.ok()) << responses.status();
+  EXPECT_EQ(responses->size(), requests.size());
   int errors = 0;
   std::string first_error;
-  v1::DecodeResponse response;
-  size_t read = 0;
-  while (stream->Read(&response)) {
-    if (response.error_code() != 0 && errors++ == 0) {
-      first_error = absl::StrCat("message ", read, ": ", response.error_message());
-    }
-    ++read;
+  for (size_t i = 0; i < responses->size(); ++i) {
+    const absl::Status s = client::ResponseStatus((*responses)[i]);
+    if (!s.ok() && errors++ == 0) first_error = absl::StrCat("message ", i, ": ", s.ToString());
   }
-  writer.join();
-  EXPECT_TRUE(stream->Finish().ok());
-  EXPECT_EQ(read, requests.size());
   EXPECT_EQ(errors, 0) << first_error;
   (*server)->Shutdown(absl::Now() + absl::Seconds(2));
   (*engine)->Shutdown(absl::Seconds(2));
