@@ -24,6 +24,7 @@
 
 #include "device_data.h"
 #include "pagedattn/kernels/cuda_decode.h"
+#include "pagedattn/kernels/kv_write.h"
 #include "pagedattn/kernels/decode.h"
 #include "workload.h"
 
@@ -281,6 +282,136 @@ pt::Workload Synthetic(const std::string& name, const std::vector<int>& lengths,
 }
 
 
+// The service's launch sequence for one decode step of a batch (server/backend/cuda_backend.cc):
+// one copy of the staged inputs (q, kv_indices, token slots, k/v rows) into device memory, the
+// token scatter, the decoder's Plan (host plan + table copy), a timing event, Run, a timing
+// event, the copy of outputs and lse back, a completion event. Timed on the host, per step,
+// issued directly and as a CUDA graph (captured each step and applied to one executable graph
+// with cudaGraphExecUpdate, the way a service whose batches change every step would have to;
+// Plan, which blocks on its previous copy and records an event, stays outside the capture, as
+// its interface intends). Also a replay of one unchanged graph: the floor a fixed shape could
+// reach. Prints the median host time to issue a step and to see it complete.
+void TimeLaunchSequence(pk::CudaDecoder& decoder, const pt::Workload& w, DeviceInputs& in,
+                        cudaStream_t stream, int iters) {
+  const int64_t b = w.batch_size;
+  const size_t q_bytes = b * pk::kQueryElems * 2;
+  const size_t idx_bytes = w.kv_indices.size() * 4;
+  const size_t slot_bytes = b * 8;
+  const size_t row_bytes = b * pk::kTokenElems * 2;
+  const size_t in_bytes = q_bytes + idx_bytes + slot_bytes + 2 * row_bytes;
+  const size_t out_bytes = q_bytes + b * pk::kNumQoHeads * 4;
+  char *host_in = nullptr, *host_out = nullptr, *dev_in = nullptr, *dev_out = nullptr;
+  CHECK_CUDA(cudaMallocHost(&host_in, in_bytes));
+  CHECK_CUDA(cudaMallocHost(&host_out, out_bytes));
+  CHECK_CUDA(cudaMalloc(&dev_in, in_bytes));
+  CHECK_CUDA(cudaMalloc(&dev_out, out_bytes));
+  std::memset(host_in, 0, in_bytes);
+  std::memcpy(host_in + q_bytes, w.kv_indices.data(), idx_bytes);
+  auto* slots = reinterpret_cast<int64_t*>(host_in + q_bytes + idx_bytes);
+  for (int64_t s = 0; s < b; ++s) slots[s] = int64_t{w.kv_indices[w.kv_indptr[s]]} * pk::kPageSize;
+  pk::DecodeArgs a = in.args;
+  a.q = reinterpret_cast<const uint16_t*>(dev_in);
+  a.kv_indices = reinterpret_cast<const int32_t*>(dev_in + q_bytes);
+  a.output = reinterpret_cast<uint16_t*>(dev_out);
+  a.lse = reinterpret_cast<float*>(dev_out + q_bytes);
+  pk::TokenScatterArgs sc;
+  sc.k_cache = in.k;
+  sc.v_cache = in.v;
+  sc.slots = reinterpret_cast<const int64_t*>(dev_in + q_bytes + idx_bytes);
+  sc.k_rows = reinterpret_cast<const uint16_t*>(dev_in + q_bytes + idx_bytes + slot_bytes);
+  sc.v_rows = reinterpret_cast<const uint16_t*>(dev_in + q_bytes + idx_bytes + slot_bytes + row_bytes);
+  sc.num_tokens = b;
+  cudaEvent_t start, stop, done;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  CHECK_CUDA(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  auto plan = [&] {
+    CheckStatus(decoder.Plan(w.kv_indptr.data(), w.kv_last_page_len.data(), w.batch_size, stream),
+                "Plan");
+  };
+  // The device work of a step; `flags` is cudaEventRecordExternal inside a capture (so that the
+  // timing events become graph nodes).
+  auto device_work = [&](unsigned flags) {
+    CHECK_CUDA(cudaMemcpyAsync(dev_in, host_in, in_bytes, cudaMemcpyHostToDevice, stream));
+    CheckStatus(pk::LaunchTokenScatter(sc, stream), "LaunchTokenScatter");
+    CHECK_CUDA(cudaEventRecordWithFlags(start, stream, flags));
+    CheckStatus(decoder.Run(a, stream), "Run");
+    CHECK_CUDA(cudaEventRecordWithFlags(stop, stream, flags));
+    CHECK_CUDA(cudaMemcpyAsync(host_out, dev_out, out_bytes, cudaMemcpyDeviceToHost, stream));
+  };
+  using Clock = std::chrono::steady_clock;
+  auto us = [](Clock::time_point a0, Clock::time_point a1) {
+    return std::chrono::duration<double, std::micro>(a1 - a0).count();
+  };
+  cudaGraphExec_t exec = nullptr;
+  cudaGraphExec_t fixed = nullptr;
+  int updates_failed = 0;
+  for (int mode = 0; mode < 3; ++mode) {
+    std::vector<double> issue, total, kernel;
+    for (int r = 0; r < iters + 20; ++r) {
+      const Clock::time_point t0 = Clock::now();
+      if (mode == 0) {
+        plan();
+        device_work(cudaEventRecordDefault);
+      } else if (mode == 1) {
+        plan();
+        cudaGraph_t graph = nullptr;
+        CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        device_work(cudaEventRecordExternal);
+        CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+        if (exec != nullptr) {
+          cudaGraphExecUpdateResultInfo info;
+          if (cudaGraphExecUpdate(exec, graph, &info) != cudaSuccess) {
+            cudaGetLastError();
+            ++updates_failed;
+            CHECK_CUDA(cudaGraphExecDestroy(exec));
+            exec = nullptr;
+          }
+        }
+        if (exec == nullptr) CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+        CHECK_CUDA(cudaGraphDestroy(graph));
+        CHECK_CUDA(cudaGraphLaunch(exec, stream));
+      } else {
+        if (fixed == nullptr) {
+          plan();
+          cudaGraph_t graph = nullptr;
+          CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+          device_work(cudaEventRecordExternal);
+          CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+          CHECK_CUDA(cudaGraphInstantiate(&fixed, graph, 0));
+          CHECK_CUDA(cudaGraphDestroy(graph));
+        }
+        CHECK_CUDA(cudaGraphLaunch(fixed, stream));
+      }
+      CHECK_CUDA(cudaEventRecord(done, stream));
+      const Clock::time_point t1 = Clock::now();
+      CHECK_CUDA(cudaEventSynchronize(done));
+      const Clock::time_point t2 = Clock::now();
+      float ms = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+      if (r >= 20) {
+        issue.push_back(us(t0, t1));
+        total.push_back(us(t0, t2));
+        kernel.push_back(ms * 1e3);
+      }
+    }
+    static const char* const kModes[] = {"direct launches", "graph, captured + updated",
+                                         "graph, one replayed"};
+    std::printf("  %-26s issue %6.1f us  issue->done %6.1f us (p90 %6.1f)  kernel %6.1f us\n",
+                kModes[mode], Median(issue), Median(total), Quantile(total, 0.9), Median(kernel));
+  }
+  if (updates_failed > 0) std::printf("  (%d graph updates fell back to a new instantiation)\n", updates_failed);
+  if (exec != nullptr) cudaGraphExecDestroy(exec);
+  if (fixed != nullptr) cudaGraphExecDestroy(fixed);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaEventDestroy(done);
+  cudaFreeHost(host_in);
+  cudaFreeHost(host_out);
+  cudaFree(dev_in);
+  cudaFree(dev_out);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -292,6 +423,8 @@ int main(int argc, char** argv) {
   bool variants = false;
   bool default_cpasync = false;
   bool timelines = false;
+  bool sweep = false;
+  bool launch_sequence = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--workloads" && i + 1 < argc) path = argv[++i];
@@ -302,10 +435,13 @@ int main(int argc, char** argv) {
     else if (a == "--variants") variants = true;
     else if (a == "--default-cpasync") default_cpasync = true;
     else if (a == "--timelines") timelines = true;
+    else if (a == "--sweep") sweep = true;
+    else if (a == "--launch-sequence") launch_sequence = true;
     else {
       std::fprintf(stderr,
                    "usage: %s [--workloads FILE] [--out FILE] [--iters N] [--no-uneven] "
-                   "[--no-cpasync] [--variants] [--timelines] [--default-cpasync]\n",
+                   "[--no-cpasync] [--variants] [--timelines] [--sweep] [--launch-sequence] "
+                   "[--default-cpasync]\n",
                    argv[0]);
       return 2;
     }
@@ -328,15 +464,23 @@ int main(int argc, char** argv) {
   pk::CudaDecoderOptions options;
   CheckStatus(pk::CudaDecoder::Create(options, &tma), "Create (tma)");
   {
-    // The other merge hand-off (v3 when the default is v4), TMA, timed side by side.
+    // The v3 kernel's way (one part per CTA, no run-time queue, merges by the last piece's
+    // CTA), TMA, timed side by side.
     pk::CudaDecoderOptions o = options;
-    o.tuning.fast_handoff = !o.tuning.fast_handoff;
-    CheckStatus(pk::CudaDecoder::Create(o, &alt), "Create (alt hand-off)");
+    o.tuning.parts_per_cta = 1;
+    o.tuning.merge = pk::CudaDecoderTuning::Merge::kInKernel;
+    CheckStatus(pk::CudaDecoder::Create(o, &alt), "Create (v3 split and merge)");
   }
   options.load_path = pk::CudaLoadPath::kCpAsync;
   if (cpasync) CheckStatus(pk::CudaDecoder::Create(options, &cp), "Create (cp.async)");
-  std::printf("decoder: %d CTAs, load path %s\n", tma->num_ctas(),
-              tma->load_path() == pk::CudaLoadPath::kTma ? "tma" : "cp.async (tma unavailable)");
+  const pk::CudaDecoderTuning defaults;
+  std::printf("decoder: %d CTAs, load path %s, up to %d parts per CTA of >= %d units, merges %s\n",
+              tma->num_ctas(),
+              tma->load_path() == pk::CudaLoadPath::kTma ? "tma" : "cp.async (tma unavailable)",
+              defaults.parts_per_cta, defaults.min_part_units,
+              defaults.merge == pk::CudaDecoderTuning::Merge::kAuto ? "auto"
+              : defaults.merge == pk::CudaDecoderTuning::Merge::kKernel ? "by a kernel"
+                                                                          : "in the decode kernel");
 
   std::mt19937 rng(std::random_device{}());
   if (uneven) {
@@ -356,7 +500,7 @@ int main(int argc, char** argv) {
               "dirty: memset only\n", iters);
   std::printf("%-22s %5s %6s %9s %9s %9s %9s %8s %7s %7s %7s %9s\n", "workload", "batch", "pages",
               "tma_us", "tma_dirty", "cpa_us", "cpa_dirty", "GB/s", "of_read", "p10", "p90",
-              pk::CudaDecoderTuning{}.fast_handoff ? "v3_tma_us" : "v4_tma_us");
+              "v3_us");
   for (const pt::Workload& w : workloads) {
     DeviceInputs in;
     in.Init(w, rng());
@@ -386,14 +530,16 @@ int main(int argc, char** argv) {
                  "\"tma_dirty_us\": %.2f, \"cpasync_us\": %.2f, \"cpasync_dirty_us\": %.2f, "
                  "\"read_gbps\": %.1f, \"read_fraction\": %.4f, \"read_gbps_dirty\": %.1f, "
                  "\"read_fraction_dirty\": %.4f, \"stream_read_gbps\": %.1f, "
-                 "\"plan_host_us\": %.1f, \"iters\": %d, \"fast_handoff\": %s, "
-                 "\"alt_handoff_tma_us\": %.2f}\n",
+                 "\"plan_host_us\": %.1f, \"iters\": %d, \"parts_per_cta\": %d, "
+                 "\"min_part_units\": %d, \"merge\": \"%s\", \"v3_split_tma_us\": %.2f}\n",
                  ShortName(w.name).c_str(), w.name.c_str(), w.batch_size, w.kv_indices.size(),
                  static_cast<long long>(w.Tokens()), bytes, use_cp ? "cp.async" : "tma",
                  k.median_us, k.p10_us, k.p90_us, kd.median_us, tc.median_us, td.median_us,
                  cc.median_us, cd.median_us, gbps, gbps / stream_gbps, gbps_dirty,
                  gbps_dirty / stream_gbps, stream_gbps, k.plan_us, iters,
-                 pk::CudaDecoderTuning{}.fast_handoff ? "true" : "false", ta.median_us);
+                 defaults.parts_per_cta, defaults.min_part_units,
+                 defaults.merge == pk::CudaDecoderTuning::Merge::kAuto ? "auto" : "fixed",
+                 ta.median_us);
     std::fflush(out);
   }
   if (variants) {
@@ -424,8 +570,57 @@ int main(int argc, char** argv) {
       std::printf("\n");
     }
   }
+  if (sweep) {
+    // Parts per CTA x minimum part size x merge (i: in the decode kernel, k: merge kernel,
+    // n: merge kernel without programmatic launch), TMA, clean flush: median of 100 runs each.
+    struct Config {
+      int parts, min_units;
+      char merge;
+    };
+    const std::vector<Config> configs = {{1, 8, 'i'}, {1, 8, 'k'}, {1, 8, 'a'}, {1, 8, 'n'},
+                                         {2, 8, 'a'}, {4, 8, 'a'}, {4, 16, 'a'}, {8, 8, 'a'}};
+    std::vector<std::unique_ptr<pk::CudaDecoder>> ds;
+    std::printf("\nsweep (TMA, clean flush, median us of 100 runs): parts_per_cta x "
+                "min_part_units, merge i(n kernel) / k(ernel, PDL) / n(o PDL) / a(uto)\n");
+    std::printf("%-22s", "workload");
+    for (const Config& c : configs) {
+      pk::CudaDecoderOptions o;
+      o.tuning.parts_per_cta = c.parts;
+      o.tuning.min_part_units = c.min_units;
+      using Merge = pk::CudaDecoderTuning::Merge;
+      o.tuning.merge = c.merge == 'i' ? Merge::kInKernel : c.merge == 'a' ? Merge::kAuto : Merge::kKernel;
+      o.tuning.programmatic_launch = c.merge != 'n';
+      ds.emplace_back();
+      CheckStatus(pk::CudaDecoder::Create(o, &ds.back()), "Create (sweep)");
+      std::printf(" %4dx%-2d%c", c.parts, c.min_units, c.merge);
+    }
+    std::printf("\n");
+    for (const pt::Workload& w : workloads) {
+      DeviceInputs in;
+      in.Init(w, rng());
+      std::printf("%-22s", ShortName(w.name).c_str());
+      for (auto& d : ds) {
+        std::printf(" %9.1f", TimeDecoder(*d, w, in, flusher, FlushMode::kClean, stream, 100).median_us);
+      }
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+  }
+  if (launch_sequence) {
+    // The service's shapes: B=64 x 4,096 tokens (64 pages each) and B=1 x 512 tokens.
+    std::printf("\nlaunch sequence of one service step (median of 500 steps, no flush):\n");
+    for (const auto& [name, lengths] :
+         std::vector<std::pair<std::string, std::vector<int>>>{{"b64_64pages", std::vector<int>(64, 64)},
+                                                              {"b1_8pages", std::vector<int>(1, 8)}}) {
+      const pt::Workload w = Synthetic(name, lengths, rng);
+      DeviceInputs in;
+      in.Init(w, rng());
+      std::printf(" %s:\n", name.c_str());
+      TimeLaunchSequence(*tma, w, in, stream, 500);
+    }
+  }
   if (variants || timelines) {
-    std::printf("\ntimelines: default, then cp.async, then the other hand-off (TMA)\n");
+    std::printf("\ntimelines: default, then cp.async, then the v3 split and merge (TMA)\n");
     for (const pt::Workload& w : workloads) {
       const std::string sn = ShortName(w.name);
       if (sn != "b1_kv361" && sn != "b2_kv130" && sn != "b16_kv993" && sn != "b16_kv16593" &&

@@ -130,6 +130,13 @@ KernelStatus CudaDecoder::Create(const Options& options, std::unique_ptr<CudaDec
   if (options.num_ctas < 0 || options.num_ctas > kMaxPlanCtas) {
     return Invalid("CudaDecoder::Create: num_ctas outside 0.." + std::to_string(kMaxPlanCtas));
   }
+  if (options.tuning.parts_per_cta < 1 || options.tuning.parts_per_cta > kMaxPartsPerCta) {
+    return Invalid("CudaDecoder::Create: parts_per_cta outside 1.." +
+                   std::to_string(kMaxPartsPerCta));
+  }
+  if (options.tuning.min_part_units < 1) {
+    return Invalid("CudaDecoder::Create: min_part_units < 1");
+  }
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     cudaGetLastError();
@@ -173,6 +180,8 @@ KernelStatus CudaDecoder::Create(const Options& options, std::unique_ptr<CudaDec
 
   impl->capacity.num_ctas = options.num_ctas > 0 ? options.num_ctas : std::min(sms, kMaxPlanCtas);
   impl->capacity.max_batch_size = options.max_batch_size;
+  impl->capacity.parts_per_cta = options.tuning.parts_per_cta;
+  impl->capacity.min_part_units = options.tuning.min_part_units;
   impl->path = options.load_path;
   if (impl->path == CudaLoadPath::kTma) {
     void* fn = nullptr;
@@ -203,9 +212,11 @@ KernelStatus CudaDecoder::Create(const Options& options, std::unique_ptr<CudaDec
   e = cudaMalloc(reinterpret_cast<void**>(&impl->part_lse),
                  cap.MaxSlots() * kGroupSize * sizeof(float));
   if (e != cudaSuccess) return exhausted("cudaMalloc (partial lse)", e);
-  e = cudaMalloc(reinterpret_cast<void**>(&impl->counters), cap.MaxGroups() * sizeof(int32_t));
+  // The merge counters, then the part queue's two counters.
+  const size_t counter_bytes = (cap.MaxGroups() + 2) * sizeof(int32_t);
+  e = cudaMalloc(reinterpret_cast<void**>(&impl->counters), counter_bytes);
   if (e != cudaSuccess) return exhausted("cudaMalloc (merge counters)", e);
-  PA_RETURN_IF_CUDA_ERROR(cudaMemset(impl->counters, 0, cap.MaxGroups() * sizeof(int32_t)),
+  PA_RETURN_IF_CUDA_ERROR(cudaMemset(impl->counters, 0, counter_bytes),
                           "cudaMemset (merge counters)");
   PA_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&impl->copy_done, cudaEventDisableTiming),
                           "cudaEventCreate");
@@ -285,14 +296,22 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, CudaStream stream) {
   p.kv_indices = args.kv_indices;
   p.output = args.output;
   p.lse = args.lse;
+  p.header = reinterpret_cast<const PlanHeader*>(table);
   p.items = reinterpret_cast<const WorkItem*>(table + d.capacity.ItemsOffset());
   p.groups = reinterpret_cast<const MergeGroup*>(table + d.capacity.GroupsOffset());
   p.part_o = d.part_o;
   p.part_lse = d.part_lse;
   p.counters = d.counters;
+  p.queue = d.counters + d.capacity.MaxGroups();
+  p.done = p.queue + 1;
   p.scale_log2 = args.sm_scale * 1.4426950408889634f;
   p.skip_attention = d.options.tuning.skip_attention ? 1 : 0;
-  p.fast_handoff = d.options.tuning.fast_handoff ? 1 : 0;
+  using Merge = CudaDecoderTuning::Merge;
+  const Merge mode = d.options.tuning.merge;
+  const bool merge_kernel =
+      mode == Merge::kKernel ||
+      (mode == Merge::kAuto && 2 * int64_t{d.plan.num_segments} <= d.capacity.num_ctas);
+  p.merge_in_kernel = merge_kernel ? 0 : 1;
   p.timeline = reinterpret_cast<unsigned long long*>(d.timeline);
 
   const dim3 grid(d.capacity.num_ctas);
@@ -303,6 +322,28 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, CudaStream stream) {
     detail::PagedDecodeKernel<false><<<grid, block, detail::kSmemBytes, stream>>>(p);
   }
   PA_RETURN_IF_CUDA_ERROR(cudaGetLastError(), "decode kernel launch");
+  if (!merge_kernel || d.plan.num_groups == 0) return KernelStatus::Ok();
+
+  detail::MergeParams mp;
+  mp.header = p.header;
+  mp.groups = p.groups;
+  mp.part_o = d.part_o;
+  mp.part_lse = d.part_lse;
+  mp.output = args.output;
+  mp.lse = args.lse;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(d.capacity.num_ctas);
+  config.blockDim = dim3(detail::kMergeThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  if (d.options.tuning.programmatic_launch) {
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+  }
+  PA_RETURN_IF_CUDA_ERROR(cudaLaunchKernelEx(&config, detail::MergeKernel, mp),
+                          "merge kernel launch");
   return KernelStatus::Ok();
 }
 

@@ -1,11 +1,16 @@
-// The paged decode kernel. One CTA per SM (persistent over its plan items), 5 warps:
-//   warp 4      producer: waits for a free stage, copies one (page, KV head) of K and V into it
-//               (TMA boxes of 64 tokens x 64 dims, 128-byte swizzled; or cp.async in the same
-//               layout), and the item's 6 query heads with its first page;
-//   warps 0..3  consumers: each takes 16 of the page's 64 tokens; S = Q K^T and O += P V on the
-//               tensor cores (m16n8k16, the 6 query heads in rows 0..5 of A), online softmax in
-//               base 2; at the end of an item the 4 warps combine through shared memory and
-//               either write the output or a partial result that the last piece's CTA merges.
+// The paged decode kernel. One CTA per SM, 5 warps, persistent over the parts of the plan it
+// takes: its own part first (part blockIdx.x), then, when the plan has more parts than CTAs, the
+// next free one from a queue (an atomic counter) each time it has issued the last page of a part.
+//   warp 4      producer: takes the parts, walks their items and pages, waits for a free stage,
+//               tags it with what it holds (item, page) and copies one (page, KV head) of K and
+//               V into it (TMA boxes of 64 tokens x 64 dims, 128-byte swizzled; or cp.async in
+//               the same layout), and the item's 6 query heads with its first page; empty
+//               (seq, head)s and the end of the work travel as tags without data;
+//   warps 0..3  consumers: follow the stages' tags; each takes 16 of the page's 64 tokens;
+//               S = Q K^T and O += P V on the tensor cores (m16n8k16, the 6 query heads in rows
+//               0..5 of A), online softmax in base 2; at the end of an item the 4 warps combine
+//               through shared memory and either write the output or a partial result that the
+//               last piece's CTA merges.
 // The stages form a ring of kStages buffers with a full and an empty mbarrier each.
 #pragma once
 
@@ -31,6 +36,24 @@ inline constexpr int kQBytes = kGroupSize * kHeadDim * 2;          // 6 query he
 inline constexpr int kPageBytes = static_cast<int>(kPageElems * 2);  // one page of K (or V)
 inline constexpr int kPartialFloats = kGroupSize * kHeadDim;       // one slot of partial output
 inline constexpr uint32_t kConsumerBarrier = 1;                    // named barrier of warps 0..3
+inline constexpr int kMergeRound = 3;  // pieces per warp whose loads a merge round keeps in flight
+// Arrivals that complete a full barrier: TMA: the producer's arrive.expect_tx; cp.async: the 32
+// lanes' copy completions and lane 0's own arrival after it wrote the stage's tag.
+inline constexpr uint32_t kFullArrivalsTma = 1;
+inline constexpr uint32_t kFullArrivalsCpAsync = 33;
+
+// What a stage holds, written by the producer before the stage's full barrier completes.
+inline constexpr int32_t kTagEmpty = -1;  // no data: an empty sequence's (seq, head)
+inline constexpr int32_t kTagEnd = -2;    // no data: this CTA has no more work
+struct StageTag {
+  int32_t page;       // >= 0: page `page` of the item; else kTagEmpty or kTagEnd
+  int32_t num_pages;  // the item's
+  int32_t seq_head;
+  int32_t last_len;
+  int32_t slot;
+  int32_t group;
+  int32_t unused[2];
+};
 
 struct KernelParams {
   CUtensorMap k_map;  // k_cache as [pages][64 tokens][4 heads][128 dims] bf16, box 64x1x64x1
@@ -41,16 +64,17 @@ struct KernelParams {
   const int32_t* kv_indices;   // [total pages]
   uint16_t* output;            // [batch, 24, 128] bf16
   float* lse;                  // [batch, 24] fp32, base 2
+  const PlanHeader* header;    // the plan's header (number of parts)
   const WorkItem* items;       // the plan's items
   const MergeGroup* groups;    // the plan's merge groups
   float* part_o;               // [slots, 6, 128] partial outputs, each normalised
   float* part_lse;             // [slots, 6] their base-2 log-sum-exp
   int32_t* counters;           // [groups] pieces finished; zero between launches
+  int32_t* queue;              // parts handed out beyond the CTAs' own; zero between launches
+  int32_t* done;               // CTAs that found the queue empty; zero between launches
   float scale_log2;            // sm_scale * log2(e)
   int32_t skip_attention;      // benchmarking only: move the pages, skip the math
-  int32_t fast_handoff;        // v4 experiment: merge group prefetched with the item, acq_rel
-                               // atomic hand-off, 5 pieces per warp per merge round; 0 (the
-                               // default): the v3 path
+  int32_t merge_in_kernel;     // 1: the last piece's CTA merges a group; 0: MergeKernel does
   unsigned long long* timeline;  // benchmarking only: [ctas][4] %globaltimer stamps, or null
 };
 
@@ -60,7 +84,7 @@ struct alignas(1024) SharedStorage {
   float scratch_o[kConsumerWarps][kGroupSize][kHeadDim];
   float scratch_m[kConsumerWarps][kGroupSize];
   float scratch_l[kConsumerWarps][kGroupSize];
-  float weights[kMaxPlanCtas][kGroupSize];
+  StageTag tag[kStages];
   uint64_t full[kStages];
   uint64_t empty[kStages];
   int32_t is_last;
@@ -84,10 +108,6 @@ __device__ __forceinline__ WorkItem LoadItem(const WorkItem* item) {
   return w;
 }
 
-__device__ __forceinline__ WorkItem ItemAt(const KernelParams& p, const WorkItem& head, int i) {
-  return i == 0 ? head : LoadItem(p.items + head.rest_begin + i - 1);
-}
-
 __device__ __forceinline__ uint16_t ToBf16(float x) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(x));
 }
@@ -101,16 +121,57 @@ __device__ __forceinline__ uint32_t SwizzledOffset(int token, int chunk) {
 
 // ---------------------------------------------------------------------------------------------
 // Producer
-template <bool kTma>
-__device__ void Produce(const KernelParams& p, SharedStorage& s, const WorkItem& head, int count,
-                        int lane) {
+
+// The producer's position in the ring.
+struct Ring {
   int stage = 0;
   uint32_t phase = 0;
+  __device__ void Advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+__device__ __forceinline__ void WriteTag(SharedStorage& s, int stage, int32_t page,
+                                         const WorkItem& it) {
+  StageTag& t = s.tag[stage];
+  t.page = page;
+  t.num_pages = it.num_pages;
+  t.seq_head = it.seq_head;
+  t.last_len = it.last_len;
+  t.slot = it.slot;
+  t.group = it.group;
+}
+
+// A stage without data (kTagEmpty or kTagEnd): lane 0 waits for it, tags it and completes its
+// full barrier with every arrival the barrier expects.
+template <bool kTma>
+__device__ void ProduceTagOnly(SharedStorage& s, Ring& ring, int32_t tag, const WorkItem& it,
+                               int lane) {
+  if (lane == 0) {
+    ptx::MbarWait(ptx::SmemAddr(&s.empty[ring.stage]), ring.phase ^ 1);
+    WriteTag(s, ring.stage, tag, it);
+    ptx::MbarArriveCount(ptx::SmemAddr(&s.full[ring.stage]),
+                         kTma ? kFullArrivalsTma : kFullArrivalsCpAsync);
+  }
+  ring.Advance();
+}
+
+// The items of one part (head and its rest), page by page.
+template <bool kTma>
+__device__ void ProducePart(const KernelParams& p, SharedStorage& s, Ring& ring,
+                            const WorkItem& head, int lane) {
+  const int count = head.seq_head < 0 ? 0 : 1 + head.rest_count;
   WorkItem next = head;
   for (int i = 0; i < count; ++i) {
     const WorkItem it = next;
-    if (i + 1 < count) next = ItemAt(p, head, i + 1);  // in flight while this item is issued
-    if (it.num_pages == 0) continue;
+    if (i + 1 < count) next = LoadItem(p.items + head.rest_begin + i);  // in flight meanwhile
+    if (it.num_pages == 0) {
+      ProduceTagOnly<kTma>(s, ring, kTagEmpty, it, lane);
+      continue;
+    }
     const int seq = it.seq_head / kNumKvHeads;
     const int kvh = it.seq_head % kNumKvHeads;
     const uint16_t* q_src =
@@ -121,12 +182,14 @@ __device__ void Produce(const KernelParams& p, SharedStorage& s, const WorkItem&
       for (int j = 0; j < n; ++j) {
         const int page = __shfl_sync(0xffffffffu, my_page, j);
         const bool first = base + j == 0;
+        const int stage = ring.stage;
         const uint32_t full = ptx::SmemAddr(&s.full[stage]);
         const uint32_t empty = ptx::SmemAddr(&s.empty[stage]);
         const uint32_t dst = ptx::SmemAddr(s.stage[stage]);
         if constexpr (kTma) {
           if (lane == 0) {
-            ptx::MbarWait(empty, phase ^ 1);
+            ptx::MbarWait(empty, ring.phase ^ 1);
+            WriteTag(s, stage, base + j, it);
             ptx::MbarArriveExpectTx(full, kStageBytes + (first ? kQBytes : 0));
             ptx::TmaLoad4d(dst, &p.k_map, 0, kvh, 0, page, full);
             ptx::TmaLoad4d(dst + kHalfBytes, &p.k_map, 64, kvh, 0, page, full);
@@ -135,7 +198,8 @@ __device__ void Produce(const KernelParams& p, SharedStorage& s, const WorkItem&
             if (first) ptx::BulkLoad(ptx::SmemAddr(s.q[stage]), q_src, kQBytes, full);
           }
         } else {
-          ptx::MbarWait(empty, phase ^ 1);
+          ptx::MbarWait(empty, ring.phase ^ 1);
+          if (lane == 0) WriteTag(s, stage, base + j, it);
           const int64_t page_off = int64_t{page} * kPageBytes + kvh * kHeadDim * 2;
           const char* kp = reinterpret_cast<const char*>(p.k_cache) + page_off;
           const char* vp = reinterpret_cast<const char*>(p.v_cache) + page_off;
@@ -155,14 +219,46 @@ __device__ void Produce(const KernelParams& p, SharedStorage& s, const WorkItem&
             }
           }
           ptx::CpAsyncArriveNoinc(full);
+          if (lane == 0) ptx::MbarArrive(full);  // releases the tag
         }
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
+        ring.Advance();
       }
     }
   }
+}
+
+// The producer: this CTA's own part, then parts from the queue until it is empty, then the end.
+// A part is taken from the queue once the previous one's last page is issued: the stages still
+// hold up to kStages pages for the consumers while the counter, the part's first item and its
+// first page ids make their trips.
+template <bool kTma>
+__device__ void Produce(const KernelParams& p, SharedStorage& s, WorkItem head, int num_parts,
+                        int lane) {
+  const int num_ctas = static_cast<int>(gridDim.x);
+  const bool queued = num_parts > num_ctas;
+  Ring ring;
+  for (;;) {
+    ProducePart<kTma>(p, s, ring, head, lane);
+    if (!queued) break;
+    int next = 0;
+    if (lane == 0) next = num_ctas + atomicAdd(p.queue, 1);
+    next = __shfl_sync(0xffffffffu, next, 0);
+    if (next >= num_parts) {
+      // The queue is empty for this CTA. The last CTA to find it so resets both counters for
+      // the next launch: by then every CTA has made its last draw.
+      if (lane == 0) {
+        __threadfence();
+        if (atomicAdd(p.done, 1) == num_ctas - 1) {
+          __threadfence();
+          atomicExch(p.queue, 0);
+          atomicExch(p.done, 0);
+        }
+      }
+      break;
+    }
+    head = LoadItem(p.items + next);
+  }
+  ProduceTagOnly<kTma>(s, ring, kTagEnd, WorkItem{}, lane);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -250,11 +346,10 @@ __device__ void WriteEmpty(const KernelParams& p, int row0, int tid) {
   if (tid < kGroupSize) p.lse[row0 + tid] = -INFINITY;
 }
 
-// Combines the 4 consumer warps' (max, sum, unnormalised output) triples already in scratch and
-// writes the normalised output (bf16) and base-2 lse of rows row0..row0+5: thread tid owns dim
-// tid of all 6 rows. Ends with the scratch free again.
-__device__ void CombineWarpsToOutput(const KernelParams& p, SharedStorage& s, int64_t row0,
-                                     int tid) {
+// Combines the 4 consumer warps' (max, sum, unnormalised output) triples in scratch into the
+// normalised output and base-2 lse of the item's 6 rows: thread tid gets dim tid of each row.
+__device__ __forceinline__ void CombineWarps(const SharedStorage& s, int tid,
+                                             float (&out)[kGroupSize], float (&lse)[kGroupSize]) {
 #pragma unroll
   for (int h = 0; h < kGroupSize; ++h) {
     float mx = s.scratch_m[0][h];
@@ -268,21 +363,31 @@ __device__ void CombineWarpsToOutput(const KernelParams& p, SharedStorage& s, in
       sum += e * s.scratch_l[w][h];
       acc += e * s.scratch_o[w][h][tid];
     }
-    p.output[(row0 + h) * kHeadDim + tid] = ToBf16(acc / sum);
-    if (tid == 0) p.lse[row0 + h] = mx + log2f(sum);
+    out[h] = acc / sum;
+    lse[h] = mx + log2f(sum);
   }
-  ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
+}
+
+// Writes rows row0..row0+5 of the output (bf16) and lse; thread tid writes dim tid.
+__device__ __forceinline__ void WriteRows(const KernelParams& p, int64_t row0, int tid,
+                                          const float (&out)[kGroupSize],
+                                          const float (&lse)[kGroupSize]) {
+#pragma unroll
+  for (int h = 0; h < kGroupSize; ++h) p.output[(row0 + h) * kHeadDim + tid] = ToBf16(out[h]);
+  if (tid == 0) {
+#pragma unroll
+    for (int h = 0; h < kGroupSize; ++h) p.lse[row0 + h] = lse[h];
+  }
 }
 
 // The last CTA of a merge group combines its pieces' partial results by their log-sum-exp.
 // Warp w takes pieces w, w+4, ...; lane holds dims 4*lane..4*lane+3 of all 6 rows and folds its
-// pieces in with an online log-sum-exp (lse and output loads of three pieces in flight at once);
-// then the 4 warps combine through shared memory like the end of an item.
-template <int kRound>
-__device__ void Merge(const KernelParams& p, SharedStorage& s, int2 grp, int64_t row0, int warp,
-                      int lane) {
-  const int sb = grp.x;
-  const int n = grp.y;
+// pieces in with an online log-sum-exp (lse and output loads of kMergeRound pieces in flight at
+// once); then the 4 warps combine through shared memory like the end of an item.
+__device__ void Merge(const KernelParams& p, SharedStorage& s, MergeGroup grp, int64_t row0,
+                      int warp, int lane) {
+  const int sb = grp.slot_begin;
+  const int n = grp.num_pieces;
   constexpr int kSlotVecs = kPartialFloats / 4;
   const float4* part = reinterpret_cast<const float4*>(p.part_o) + int64_t{sb} * kSlotVecs + lane;
   const float* part_lse = p.part_lse + int64_t{sb} * kGroupSize;
@@ -294,11 +399,11 @@ __device__ void Merge(const KernelParams& p, SharedStorage& s, int2 grp, int64_t
     l[g] = 0.0f;
     acc[g] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  for (int q0 = warp; q0 < n; q0 += kRound * kConsumerWarps) {
-    float4 o[kRound][kGroupSize];
-    float ls[kRound][kGroupSize];
+  for (int q0 = warp; q0 < n; q0 += kMergeRound * kConsumerWarps) {
+    float4 o[kMergeRound][kGroupSize];
+    float ls[kMergeRound][kGroupSize];
 #pragma unroll
-    for (int u = 0; u < kRound; ++u) {
+    for (int u = 0; u < kMergeRound; ++u) {
       const int q = q0 + u * kConsumerWarps;
 #pragma unroll
       for (int g = 0; g < kGroupSize; ++g) {
@@ -312,7 +417,7 @@ __device__ void Merge(const KernelParams& p, SharedStorage& s, int2 grp, int64_t
       }
     }
 #pragma unroll
-    for (int u = 0; u < kRound; ++u) {
+    for (int u = 0; u < kMergeRound; ++u) {
 #pragma unroll
       for (int g = 0; g < kGroupSize; ++g) {
         const float m_new = fmaxf(m[g], ls[u][g]);
@@ -337,14 +442,18 @@ __device__ void Merge(const KernelParams& p, SharedStorage& s, int2 grp, int64_t
     }
   }
   ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
-  CombineWarpsToOutput(p, s, row0, warp * 32 + lane);
+  const int tid = warp * 32 + lane;
+  float out[kGroupSize], lse[kGroupSize];
+  CombineWarps(s, tid, out, lse);
+  WriteRows(p, row0, tid, out, lse);
+  ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);  // scratch free again
 }
 
-// End of an item: combine the 4 warps, then write the output or a partial result.
-// grp: the item's merge group when the v4 hand-off prefetched it with the item.
-__device__ void Finalize(const KernelParams& p, SharedStorage& s, const WorkItem& it,
-                         int2 grp, int64_t row0, int warp, int lane, const float (&o)[16][2],
-                         float m, float l) {
+// End of an item: combine the 4 warps, then write the output or a partial result; the CTA that
+// completes a merge group merges it.
+__device__ void Finalize(const KernelParams& p, SharedStorage& s, const StageTag& it,
+                         int64_t row0, int warp, int lane, const float (&o)[16][2], float m,
+                         float l) {
   const int g = lane >> 2;
   const int quad = lane & 3;
   const int tid = warp * 32 + lane;
@@ -364,30 +473,10 @@ __device__ void Finalize(const KernelParams& p, SharedStorage& s, const WorkItem
   ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
   float out[kGroupSize];
   float lse2[kGroupSize];
-#pragma unroll
-  for (int h = 0; h < kGroupSize; ++h) {
-    float mx = s.scratch_m[0][h];
-#pragma unroll
-    for (int w = 1; w < kConsumerWarps; ++w) mx = fmaxf(mx, s.scratch_m[w][h]);
-    float sum = 0.0f;
-    float acc = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kConsumerWarps; ++w) {
-      const float e = ptx::Exp2(s.scratch_m[w][h] - mx);
-      sum += e * s.scratch_l[w][h];
-      acc += e * s.scratch_o[w][h][tid];
-    }
-    out[h] = acc / sum;
-    lse2[h] = mx + log2f(sum);
-  }
+  CombineWarps(s, tid, out, lse2);
   ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
   if (it.slot < 0) {
-#pragma unroll
-    for (int h = 0; h < kGroupSize; ++h) p.output[(row0 + h) * kHeadDim + tid] = ToBf16(out[h]);
-    if (tid == 0) {
-#pragma unroll
-      for (int h = 0; h < kGroupSize; ++h) p.lse[row0 + h] = lse2[h];
-    }
+    WriteRows(p, row0, tid, out, lse2);
     return;
   }
   float* po = p.part_o + int64_t{it.slot} * kPartialFloats;
@@ -397,27 +486,10 @@ __device__ void Finalize(const KernelParams& p, SharedStorage& s, const WorkItem
 #pragma unroll
     for (int h = 0; h < kGroupSize; ++h) p.part_lse[it.slot * kGroupSize + h] = lse2[h];
   }
+  if (!p.merge_in_kernel) return;  // MergeKernel merges once this grid is complete
   // The barrier orders every thread's partial stores before thread 0's release fence
   // (cumulativity), so one fence publishes them all before the counter moves.
   ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
-  if (p.fast_handoff) {
-    // v4: one acq_rel atomic (release of this CTA's partial, ordered before it by the barrier,
-    // and acquire of the other pieces' when it is the last) instead of two sc fences; the group
-    // came with the item, so no dependent load of the group table here.
-    if (tid == 0) {
-      int prev;
-      asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;"
-                   : "=r"(prev)
-                   : "l"(p.counters + it.group)
-                   : "memory");
-      const int last = prev == grp.y - 1;
-      if (last) p.counters[it.group] = 0;  // every piece has arrived: ready for the next launch
-      s.is_last = last;
-    }
-    ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
-    if (s.is_last) Merge<5>(p, s, grp, row0, warp, lane);
-    return;
-  }
   if (tid == 0) {
     const int pieces = __ldg(&p.groups[it.group].num_pieces);
     __threadfence();
@@ -431,7 +503,8 @@ __device__ void Finalize(const KernelParams& p, SharedStorage& s, const WorkItem
   }
   ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
   if (s.is_last) {
-    Merge<3>(p, s, __ldg(reinterpret_cast<const int2*>(p.groups + it.group)), row0, warp, lane);
+    const int2 grp = __ldg(reinterpret_cast<const int2*>(p.groups + it.group));
+    Merge(p, s, MergeGroup{grp.x, grp.y}, row0, warp, lane);
   }
 }
 
@@ -441,49 +514,48 @@ __device__ __forceinline__ unsigned long long GlobalTimer() {
   return t;
 }
 
-// Benchmarking only: stamp `slot` of this CTA's timeline.
-__device__ __forceinline__ void Stamp(const KernelParams& p, int tid, int slot) {
-  if (p.timeline != nullptr && tid == 0) p.timeline[blockIdx.x * 4 + slot] = GlobalTimer();
+// Benchmarking only: stamp `slot` of this CTA's timeline with `t`.
+__device__ __forceinline__ void Stamp(const KernelParams& p, int tid, int slot,
+                                      unsigned long long t) {
+  if (p.timeline != nullptr && tid == 0) p.timeline[blockIdx.x * 4 + slot] = t;
+}
+__device__ __forceinline__ unsigned long long StampTime(const KernelParams& p) {
+  return p.timeline != nullptr ? GlobalTimer() : 0ull;
 }
 
-__device__ void Consume(const KernelParams& p, SharedStorage& s, const WorkItem& head, int count,
-                        int warp, int lane) {
+// The consumers follow the stages' tags until the end tag.
+__device__ void Consume(const KernelParams& p, SharedStorage& s, int warp, int lane) {
   const int g = lane >> 2;
   const int quad = lane & 3;
   const int tid = warp * 32 + lane;
   const int t0 = warp * kTokensPerWarp;
   int stage = 0;
   uint32_t phase = 0;
-  bool first_wait = true;
-  WorkItem next = head;
-  for (int i = 0; i < count; ++i) {
-    const WorkItem it = next;
-    if (i + 1 < count) next = ItemAt(p, head, i + 1);  // in flight while this item runs
+  bool first_page = true;
+  unsigned long long last_page_time = 0;
+  float o[16][2];
+  float m = -INFINITY;
+  float l = 0.0f;
+  uint32_t qa[8][2];
+  for (;;) {
+    ptx::MbarWait(ptx::SmemAddr(&s.full[stage]), phase);
+    const StageTag it = s.tag[stage];
+    if (it.page == kTagEnd) break;
     const int seq = it.seq_head / kNumKvHeads;
     const int kvh = it.seq_head % kNumKvHeads;
     const int64_t row0 = int64_t{seq} * kNumQoHeads + kvh * kGroupSize;
-    if (it.num_pages == 0) {
+    if (it.page == kTagEmpty) {
       WriteEmpty(p, static_cast<int>(row0), tid);
-      continue;
-    }
-    // v4: the merge group of a split item is loaded now, in flight while its pages stream.
-    int2 grp = make_int2(0, 0);
-    if (p.fast_handoff && it.slot >= 0) {
-      grp = __ldg(reinterpret_cast<const int2*>(p.groups + it.group));
-    }
-    float o[16][2];
-#pragma unroll
-    for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = 0.0f;
-    float m = -INFINITY;
-    float l = 0.0f;
-    uint32_t qa[8][2];
-    for (int pg = 0; pg < it.num_pages; ++pg) {
-      ptx::MbarWait(ptx::SmemAddr(&s.full[stage]), phase);
-      if (first_wait) {
-        Stamp(p, tid, 1);
-        first_wait = false;
+    } else {
+      if (first_page) {
+        Stamp(p, tid, 1, StampTime(p));
+        first_page = false;
       }
-      if (pg == 0) {
+      if (it.page == 0) {
+#pragma unroll
+        for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = 0.0f;
+        m = -INFINITY;
+        l = 0.0f;
         const uint32_t qrow = ptx::SmemAddr(s.q[stage]) + g * kHeadDim * 2 + quad * 4;
 #pragma unroll
         for (int ks = 0; ks < 8; ++ks) {
@@ -491,7 +563,7 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, const WorkItem&
           qa[ks][1] = g < kGroupSize ? ptx::LdsU32(qrow + ks * 32 + 16) : 0u;
         }
       }
-      const int valid = pg == it.num_pages - 1 ? it.last_len : kPageSize;
+      const int valid = it.page == it.num_pages - 1 ? it.last_len : kPageSize;
       if (t0 < valid && !p.skip_attention) {
         const bool tail = valid < t0 + kTokensPerWarp;
         if (tail) {
@@ -501,17 +573,20 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, const WorkItem&
         ProcessTile(ptx::SmemAddr(s.stage[stage]), qa, warp, lane, valid, p.scale_log2, o, m, l);
         if (tail) ptx::FenceProxyAsync();
       }
-      __syncwarp();
-      if (lane == 0) ptx::MbarArrive(ptx::SmemAddr(&s.empty[stage]));
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
     }
-    if (i == count - 1) Stamp(p, tid, 2);
-    Finalize(p, s, it, grp, row0, warp, lane, o, m, l);
+    __syncwarp();
+    if (lane == 0) ptx::MbarArrive(ptx::SmemAddr(&s.empty[stage]));
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+    if (it.page >= 0 && it.page == it.num_pages - 1) {
+      last_page_time = StampTime(p);
+      Finalize(p, s, it, row0, warp, lane, o, m, l);
+    }
   }
-  Stamp(p, tid, 3);
+  Stamp(p, tid, 2, last_page_time);
+  Stamp(p, tid, 3, StampTime(p));
 }
 
 template <bool kTma>
@@ -521,13 +596,16 @@ __global__ void __launch_bounds__(kThreads, 1) PagedDecodeKernel(const __grid_co
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
+  ptx::LaunchDependents();  // MergeKernel's CTAs may take their place and wait for this grid
   const WorkItem head = LoadItem(p.items + blockIdx.x);
-  const int count = head.seq_head < 0 ? 0 : 1 + head.rest_count;
-  if (count == 0) return;
-  Stamp(p, threadIdx.x, 0);
+  const int num_parts = __ldg(&p.header->num_parts);
+  // A CTA whose own part is empty has nothing to do unless the plan has a queue of parts (then
+  // every CTA's own part has work, but it must take part in the queue's reset regardless).
+  if (head.seq_head < 0 && num_parts <= static_cast<int>(gridDim.x)) return;
+  Stamp(p, threadIdx.x, 0, StampTime(p));
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
-      ptx::MbarInit(ptx::SmemAddr(&s.full[i]), kTma ? 1 : 32);
+      ptx::MbarInit(ptx::SmemAddr(&s.full[i]), kTma ? kFullArrivalsTma : kFullArrivalsCpAsync);
       ptx::MbarInit(ptx::SmemAddr(&s.empty[i]), kConsumerWarps);
     }
     ptx::FenceBarrierInit();
@@ -538,9 +616,105 @@ __global__ void __launch_bounds__(kThreads, 1) PagedDecodeKernel(const __grid_co
   }
   __syncthreads();
   if (warp == kConsumerWarps) {
-    Produce<kTma>(p, s, head, count, lane);
+    Produce<kTma>(p, s, head, num_parts, lane);
   } else {
-    Consume(p, s, head, count, warp, lane);
+    Consume(p, s, warp, lane);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The merge of split (seq, head)s as a kernel of its own, launched right after the decode
+// kernel (programmatic dependent launch: its CTAs are resident and waiting when the decode
+// grid completes). A unit is one query head of one merge group; a CTA takes units blockIdx.x,
+// + gridDim.x, ...; warp w folds pieces w, w+4, ... (kMergeUnroll per round, loads in flight
+// together), lane holds dims 4*lane..4*lane+3; the 4 warps combine through shared memory.
+inline constexpr int kMergeThreads = 128;
+inline constexpr int kMergeUnroll = 12;
+
+struct MergeParams {
+  const PlanHeader* header;
+  const MergeGroup* groups;
+  const float* part_o;
+  const float* part_lse;
+  uint16_t* output;
+  float* lse;
+};
+
+__global__ void __launch_bounds__(kMergeThreads) MergeKernel(const __grid_constant__ MergeParams p) {
+  __shared__ float4 s_o[kConsumerWarps][32];
+  __shared__ float s_m[kConsumerWarps];
+  __shared__ float s_l[kConsumerWarps];
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  // The plan was copied before the decode kernel started: readable before the wait.
+  const int num_units = __ldg(&p.header->num_groups) * kGroupSize;
+  int unit = blockIdx.x;
+  int4 grp = unit < num_units ? __ldg(reinterpret_cast<const int4*>(p.groups + unit / kGroupSize))
+                              : make_int4(0, 0, 0, 0);
+  ptx::WaitForPrerequisite();
+  for (; unit < num_units; unit += gridDim.x) {
+    if (unit >= static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x)) {
+      grp = __ldg(reinterpret_cast<const int4*>(p.groups + unit / kGroupSize));
+    }
+    const int h = unit % kGroupSize;
+    const int sb = grp.x;
+    const int n = grp.y;
+    float m = -INFINITY;
+    float l = 0.0f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int q0 = warp; q0 < n; q0 += kMergeUnroll * kConsumerWarps) {
+      float4 o[kMergeUnroll];
+      float ls[kMergeUnroll];
+#pragma unroll
+      for (int u = 0; u < kMergeUnroll; ++u) {
+        const int q = q0 + u * kConsumerWarps;
+        if (q < n) {
+          const int64_t slot = int64_t{sb} + q;
+          o[u] = __ldcg(reinterpret_cast<const float4*>(p.part_o + (slot * kGroupSize + h) * kHeadDim) + lane);
+          ls[u] = __ldcg(p.part_lse + slot * kGroupSize + h);
+        } else {
+          o[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+          ls[u] = -INFINITY;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kMergeUnroll; ++u) {
+        const float m_new = fmaxf(m, ls[u]);
+        if (m_new == -INFINITY) continue;  // only padding so far
+        const float a = ptx::Exp2(m - m_new);
+        const float b = ptx::Exp2(ls[u] - m_new);
+        l = l * a + b;
+        acc.x = acc.x * a + b * o[u].x;
+        acc.y = acc.y * a + b * o[u].y;
+        acc.z = acc.z * a + b * o[u].z;
+        acc.w = acc.w * a + b * o[u].w;
+        m = m_new;
+      }
+    }
+    s_o[warp][lane] = acc;
+    if (lane == 0) {
+      s_m[warp] = m;
+      s_l[warp] = l;
+    }
+    __syncthreads();
+    const int t = threadIdx.x;  // dim
+    float mx = s_m[0];
+#pragma unroll
+    for (int w = 1; w < kConsumerWarps; ++w) mx = fmaxf(mx, s_m[w]);
+    float sum = 0.0f;
+    float out = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kConsumerWarps; ++w) {
+      const float e = ptx::Exp2(s_m[w] - mx);
+      sum += e * s_l[w];
+      out += e * reinterpret_cast<const float*>(&s_o[w][0])[t];
+    }
+    const int seq = grp.z / kNumKvHeads;
+    const int kvh = grp.z % kNumKvHeads;
+    const int64_t row = int64_t{seq} * kNumQoHeads + kvh * kGroupSize + h;
+    p.output[row * kHeadDim + t] = ToBf16(out / sum);
+    if (t == 0) p.lse[row] = mx + log2f(sum);
+    __syncthreads();
   }
 }
 

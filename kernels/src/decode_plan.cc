@@ -7,12 +7,12 @@
 namespace pagedattn::kernels {
 
 size_t PlanCapacity::ItemsOffset() const {
-  const size_t groups_bytes = static_cast<size_t>(MaxGroups()) * sizeof(MergeGroup);
-  return (groups_bytes + 31) / 32 * 32;
+  const size_t groups_end = GroupsOffset() + static_cast<size_t>(MaxGroups()) * sizeof(MergeGroup);
+  return (groups_end + 31) / 32 * 32;
 }
 
 size_t PlanCapacity::TableBytes() const {
-  return ItemsOffset() + static_cast<size_t>(num_ctas + MaxItems()) * sizeof(WorkItem);
+  return ItemsOffset() + static_cast<size_t>(MaxParts() + MaxItems()) * sizeof(WorkItem);
 }
 
 namespace {
@@ -62,6 +62,11 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
     return Invalid("plan: num_ctas " + std::to_string(num_ctas) + " outside 1.." +
                    std::to_string(kMaxPlanCtas));
   }
+  if (capacity.parts_per_cta < 1 || capacity.parts_per_cta > kMaxPartsPerCta) {
+    return Invalid("plan: parts_per_cta " + std::to_string(capacity.parts_per_cta) +
+                   " outside 1.." + std::to_string(kMaxPartsPerCta));
+  }
+  if (capacity.min_part_units < 1) return Invalid("plan: min_part_units < 1");
   if (batch_size < 0 || batch_size > capacity.max_batch_size) {
     return Invalid("plan: batch_size " + std::to_string(batch_size) + " outside 0.." +
                    std::to_string(capacity.max_batch_size));
@@ -92,10 +97,16 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
 
   const int64_t total_pages = batch_size > 0 ? kv_indptr[batch_size] : 0;
   const int64_t units = int64_t{kNumKvHeads} * total_pages;
+  // As many parts per CTA as keep min_part_units in each, 1..parts_per_cta.
+  const int64_t per_cta = units / (int64_t{num_ctas} * capacity.min_part_units);
+  const int32_t num_parts =
+      num_ctas * static_cast<int32_t>(per_cta < 1 ? 1
+                                      : per_cta > capacity.parts_per_cta ? capacity.parts_per_cta
+                                                                         : per_cta);
   int32_t num_groups = 0;
   int32_t num_slots = 0;
   int32_t num_items = 0;
-  int32_t active_ctas = 0;
+  int32_t active_parts = 0;
   int64_t rest_used = 0;
   // The group of the segment currently being split, and which segment that is.
   int32_t open_group = -1;
@@ -105,9 +116,13 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
   int64_t empty_seen = 0;  // empty (seq, head) pairs dealt out so far
   int32_t empty_b = 0;     // scan position for empty sequences
 
-  for (int32_t c = 0; c < num_ctas; ++c) {
-    const int64_t lo = units * c / num_ctas;
-    const int64_t hi = units * (c + 1) / num_ctas;
+  const int32_t k = num_parts / num_ctas;
+  for (int32_t line = 0; line < num_parts; ++line) {
+    const int64_t lo = units * line / num_parts;
+    const int64_t hi = units * (line + 1) / num_parts;
+    // The table index of the part at this line position: every k-th is a CTA's own (index
+    // line / k), the others follow num_ctas in line order.
+    const int32_t c = line % k == 0 ? line / k : num_ctas + line - line / k - 1;
     int32_t count = 0;
     const int64_t rest_start = rest_used;
     auto emit = [&](const WorkItem& item) -> bool {
@@ -115,7 +130,7 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
         items[c] = item;
       } else {
         if (rest_used >= max_rest) return false;
-        items[num_ctas + rest_used++] = item;
+        items[num_parts + rest_used++] = item;
       }
       ++count;
       return true;
@@ -142,7 +157,7 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
             if (num_groups >= capacity.MaxGroups()) return Invalid("plan: merge groups overflow");
             open_group = num_groups++;
             open_segment_begin = seg.begin();
-            groups[open_group] = MergeGroup{num_slots, 0};
+            groups[open_group] = MergeGroup{num_slots, 0, item.seq_head};
           }
           if (num_slots >= capacity.MaxSlots()) return Invalid("plan: partial slots overflow");
           item.slot = num_slots++;
@@ -152,9 +167,9 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
         if (!emit(item)) return Invalid("plan: item table overflow");
       }
     }
-    // Empty sequences: each (seq, head) writes zeros and -inf; CTA c takes an equal share.
+    // Empty sequences: each (seq, head) writes zeros and -inf; part c takes an equal share.
     const int64_t empty_pairs = int64_t{kNumKvHeads} * num_empty;
-    const int64_t empty_hi = empty_pairs * (c + 1) / num_ctas;
+    const int64_t empty_hi = empty_pairs * (line + 1) / num_parts;
     for (; empty_seen < empty_hi; ++empty_seen) {
       while (kv_indptr[empty_b + 1] != kv_indptr[empty_b]) ++empty_b;
       WorkItem item;
@@ -168,8 +183,8 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
     if (count == 0) {
       items[c] = WorkItem{};
     } else {
-      ++active_ctas;
-      items[c].rest_begin = static_cast<int32_t>(num_ctas + rest_start);
+      ++active_parts;
+      items[c].rest_begin = static_cast<int32_t>(num_parts + rest_start);
       items[c].rest_count = count - 1;
     }
     num_items += count;
@@ -178,14 +193,20 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
     return Invalid("plan: internal error dealing empty sequences");
   }
 
+  PlanHeader header;
+  header.num_parts = num_parts;
+  header.num_groups = num_groups;
+  *static_cast<PlanHeader*>(table) = header;
   summary->batch_size = batch_size;
   summary->total_pages = total_pages;
+  summary->num_segments = kNumKvHeads * (batch_size - num_empty);
+  summary->num_parts = num_parts;
   summary->num_items = num_items;
   summary->num_groups = num_groups;
   summary->num_slots = num_slots;
-  summary->active_ctas = active_ctas;
+  summary->active_parts = active_parts;
   summary->used_bytes =
-      capacity.ItemsOffset() + static_cast<size_t>(num_ctas + rest_used) * sizeof(WorkItem);
+      capacity.ItemsOffset() + static_cast<size_t>(num_parts + rest_used) * sizeof(WorkItem);
   return KernelStatus::Ok();
 }
 

@@ -26,6 +26,10 @@ __device__ __forceinline__ void MbarArriveExpectTx(uint32_t bar, uint32_t bytes)
 __device__ __forceinline__ void MbarArrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
+// `count` arrivals at once (completes a phase that expects them, with no data).
+__device__ __forceinline__ void MbarArriveCount(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
 __device__ __forceinline__ bool MbarTryWait(uint32_t bar, uint32_t parity) {
   uint32_t done;
   asm volatile(
@@ -118,6 +122,15 @@ __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   uint32_t r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
+}
+
+// Programmatic dependent launch: let the next kernel on the stream start its preamble now;
+// wait for the previous kernel of the stream to complete (and its memory to be visible).
+__device__ __forceinline__ void LaunchDependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+__device__ __forceinline__ void WaitForPrerequisite() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
 __device__ __forceinline__ void NamedBarrierSync(uint32_t id, uint32_t threads) {

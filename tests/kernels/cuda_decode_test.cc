@@ -10,9 +10,11 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <vector>
 
 #include "gpu_harness.h"
 #include "pagedattn/kernels/cuda_decode.h"
+#include "pagedattn/kernels/decode_plan.h"
 #include "workload.h"
 
 namespace pagedattn::kernels::testing {
@@ -22,29 +24,38 @@ class CudaDecodeTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     if (!CudaDecodeDeviceAvailable()) return;
-    for (CudaLoadPath path : {CudaLoadPath::kTma, CudaLoadPath::kCpAsync}) {
-      CudaDecoderOptions options;
-      options.load_path = path;
+    // The default TMA and cp.async decoders (one part per CTA; merges chosen per batch); the
+    // same with every merge inside the decode kernel; and queues of up to 16 parts per CTA of
+    // any size, so that even small batches are cut into many parts handed out at run time,
+    // with every merge inside the decode kernel, or every merge by the merge kernel launched
+    // without PDL.
+    std::vector<CudaDecoderOptions> configs(5);
+    configs[1].load_path = CudaLoadPath::kCpAsync;
+    using Merge = CudaDecoderTuning::Merge;
+    configs[2].tuning.merge = Merge::kInKernel;
+    for (int i : {3, 4}) {
+      configs[i].tuning.parts_per_cta = kMaxPartsPerCta;
+      configs[i].tuning.min_part_units = 1;
+    }
+    configs[3].tuning.merge = Merge::kInKernel;
+    configs[4].tuning.merge = Merge::kKernel;
+    configs[4].tuning.programmatic_launch = false;
+    for (const CudaDecoderOptions& options : configs) {
       std::unique_ptr<CudaDecoder> d;
       const KernelStatus st = CudaDecoder::Create(options, &d);
       if (st.ok()) decoders_.push_back(std::move(d));
       else std::fprintf(stderr, "CudaDecoder::Create: %s\n", st.message.c_str());
     }
-    // The other merge hand-off (tuning.fast_handoff flipped), TMA: both stay correct.
-    CudaDecoderOptions options;
-    options.tuning.fast_handoff = !options.tuning.fast_handoff;
-    std::unique_ptr<CudaDecoder> d;
-    const KernelStatus st = CudaDecoder::Create(options, &d);
-    if (st.ok()) decoders_.push_back(std::move(d));
-    else std::fprintf(stderr, "CudaDecoder::Create: %s\n", st.message.c_str());
   }
   static const char* Label(size_t i) {
-    return i == 0 ? "tma" : i == 1 ? "cp.async" : "tma-alt";
+    static const char* const kLabels[] = {"tma", "cp.async", "tma-inmerge", "tma-16parts-inmerge",
+                                          "tma-16parts-mergekernel-nopdl"};
+    return kLabels[i];
   }
   static void TearDownTestSuite() { decoders_.clear(); }
   void SetUp() override {
     if (!CudaDecodeDeviceAvailable()) GTEST_SKIP() << "no CUDA device of compute capability 9.0";
-    ASSERT_EQ(decoders_.size(), 3u);
+    ASSERT_EQ(decoders_.size(), 5u);
     ASSERT_EQ(decoders_[0]->load_path(), CudaLoadPath::kTma);
   }
 
@@ -367,6 +378,14 @@ TEST_F(CudaDecodeTest, ReportsMisuseAsStatus) {
   args.batch_size = 2;
   EXPECT_EQ(d->Run(args, nullptr).code, KernelCode::kInvalidArgument);  // null pointers
   options.num_ctas = 1000;
+  EXPECT_EQ(CudaDecoder::Create(options, &d).code, KernelCode::kInvalidArgument);
+  options.num_ctas = 0;
+  for (int parts : {0, kMaxPartsPerCta + 1}) {
+    options.tuning.parts_per_cta = parts;
+    EXPECT_EQ(CudaDecoder::Create(options, &d).code, KernelCode::kInvalidArgument) << parts;
+  }
+  options.tuning.parts_per_cta = 4;
+  options.tuning.min_part_units = 0;
   EXPECT_EQ(CudaDecoder::Create(options, &d).code, KernelCode::kInvalidArgument);
 }
 

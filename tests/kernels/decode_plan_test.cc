@@ -37,10 +37,12 @@ struct PlanOutput {
                                              cap.ItemsOffset());
   }
   const MergeGroup* groups() const {
-    return reinterpret_cast<const MergeGroup*>(storage.data());
+    return reinterpret_cast<const MergeGroup*>(reinterpret_cast<const char*>(storage.data()) +
+                                               cap.GroupsOffset());
   }
-  // CTA c's items in processing order.
-  std::vector<WorkItem> CtaItems(int c) const {
+  const PlanHeader& header() const { return *reinterpret_cast<const PlanHeader*>(storage.data()); }
+  // Part c's items in processing order.
+  std::vector<WorkItem> PartItems(int c) const {
     std::vector<WorkItem> out;
     const WorkItem head = items()[c];
     if (head.seq_head < 0) return out;
@@ -50,10 +52,13 @@ struct PlanOutput {
   }
 };
 
-PlanOutput MakePlan(const Batch& b, int num_ctas, int max_batch = 4096) {
+PlanOutput MakePlan(const Batch& b, int num_ctas, int max_batch = 4096, int parts_per_cta = 1,
+                    int min_part_units = 8) {
   PlanOutput out;
   out.cap.num_ctas = num_ctas;
   out.cap.max_batch_size = max_batch;
+  out.cap.parts_per_cta = parts_per_cta;
+  out.cap.min_part_units = min_part_units;
   out.storage.assign(out.cap.TableBytes() / 8 + 1, 0);
   out.status = BuildDecodePlan(b.indptr.data(), b.last.data(), b.size(), out.cap,
                                out.storage.data(), &out.summary);
@@ -69,23 +74,28 @@ Batch RandomBatch(std::mt19937& rng, int size, int max_pages, double empty_fract
   return b;
 }
 
-// Checks every structural property of a plan; `units` (optional) gets the pages of each CTA.
+// Checks every structural property of a plan; `units` (optional) gets the pages of each part.
 void CheckPlan(const Batch& b, const PlanOutput& plan, std::vector<int64_t>* units_out = nullptr) {
   EXPECT_TRUE(plan.status.ok()) << plan.status.message;
-  const int num_ctas = plan.cap.num_ctas;
+  const int num_parts = plan.summary.num_parts;
+  EXPECT_EQ(plan.header().num_parts, num_parts);
+  EXPECT_EQ(plan.header().num_groups, plan.summary.num_groups);
+  EXPECT_GE(num_parts, plan.cap.num_ctas);
+  EXPECT_LE(num_parts, plan.cap.MaxParts());
+  EXPECT_EQ(num_parts % plan.cap.num_ctas, 0);
   // covered[(seq*4 + head)] -> count per page position
   std::vector<std::vector<int>> covered(b.size() * kNumKvHeads);
   std::vector<int> empty_written(b.size() * kNumKvHeads, 0);
   for (int s = 0; s < b.size() * kNumKvHeads; ++s) {
     covered[s].assign(b.indptr[s / 4 + 1] - b.indptr[s / 4], 0);
   }
-  std::vector<int64_t> units(num_ctas, 0);
+  std::vector<int64_t> units(num_parts, 0);
   std::vector<int> slot_seen(plan.summary.num_slots, 0);
   std::vector<int> group_pieces(plan.summary.num_groups, 0);
   int items = 0;
-  for (int c = 0; c < num_ctas; ++c) {
+  for (int c = 0; c < num_parts; ++c) {
     bool seen_whole = false;
-    for (const WorkItem& it : plan.CtaItems(c)) {
+    for (const WorkItem& it : plan.PartItems(c)) {
       ++items;
       EXPECT_GE(it.seq_head, 0);
       const int seq = it.seq_head / kNumKvHeads;
@@ -108,7 +118,7 @@ void CheckPlan(const Batch& b, const PlanOutput& plan, std::vector<int64_t>* uni
         EXPECT_EQ(it.slot, -1);
         seen_whole = true;
       } else {
-        EXPECT_FALSE(seen_whole) << "partial items must come before whole ones in CTA " << c;
+        EXPECT_FALSE(seen_whole) << "partial items must come before whole ones in part " << c;
         ASSERT_GE(it.slot, 0);
         ASSERT_LT(it.slot, plan.summary.num_slots);
         ASSERT_GE(it.group, 0);
@@ -116,6 +126,7 @@ void CheckPlan(const Batch& b, const PlanOutput& plan, std::vector<int64_t>* uni
         ++slot_seen[it.slot];
         ++group_pieces[it.group];
         const MergeGroup& g = plan.groups()[it.group];
+        EXPECT_EQ(g.seq_head, it.seq_head);
         EXPECT_GE(it.slot, g.slot_begin);
         EXPECT_LT(it.slot, g.slot_begin + g.num_pieces);
       }
@@ -131,7 +142,12 @@ void CheckPlan(const Batch& b, const PlanOutput& plan, std::vector<int64_t>* uni
   for (int g = 0; g < plan.summary.num_groups; ++g) {
     EXPECT_EQ(group_pieces[g], plan.groups()[g].num_pieces);
     EXPECT_GE(plan.groups()[g].num_pieces, 2);
-    EXPECT_LE(plan.groups()[g].num_pieces, num_ctas);
+    EXPECT_LE(plan.groups()[g].num_pieces, num_parts);
+  }
+  // More parts than CTAs only when each keeps min_part_units: every CTA's first part has work,
+  // so every CTA of the launch takes part in the run-time queue.
+  if (num_parts > plan.cap.num_ctas) {
+    for (int64_t u : units) EXPECT_GE(u, plan.cap.min_part_units);
   }
   EXPECT_LE(plan.summary.num_slots, plan.cap.MaxSlots());
   EXPECT_LE(plan.summary.used_bytes, plan.cap.TableBytes());
@@ -144,8 +160,14 @@ TEST(DecodePlanTest, CoversEveryPageOfEveryHeadExactlyOnce) {
     const int size = 1 + trial * 7 % 300;
     const Batch b = RandomBatch(rng, size, 1 + trial * 37 % 400, trial % 3 == 0 ? 0.2 : 0.0);
     for (int ctas : {1, 7, 132, 256}) {
-      SCOPED_TRACE("trial " + std::to_string(trial) + " ctas " + std::to_string(ctas));
-      CheckPlan(b, MakePlan(b, ctas));
+      for (int parts : {1, 4, 16}) {
+        for (int min_units : {1, 8}) {
+          SCOPED_TRACE("trial " + std::to_string(trial) + " ctas " + std::to_string(ctas) +
+                       " parts/cta " + std::to_string(parts) + " min units " +
+                       std::to_string(min_units));
+          CheckPlan(b, MakePlan(b, ctas, 4096, parts, min_units));
+        }
+      }
     }
   }
 }
@@ -179,7 +201,7 @@ TEST(DecodePlanTest, SplitsOneLongSequenceOverEveryCta) {
   b.Add(40000, 17);
   const PlanOutput plan = MakePlan(b, 132);
   CheckPlan(b, plan);
-  EXPECT_EQ(plan.summary.active_ctas, 132);
+  EXPECT_EQ(plan.summary.active_parts, 132);
   EXPECT_EQ(plan.summary.num_groups, kNumKvHeads);
   EXPECT_EQ(plan.summary.num_slots, 132);
   for (int g = 0; g < 4; ++g) EXPECT_EQ(plan.groups()[g].num_pieces, 33);
@@ -190,7 +212,7 @@ TEST(DecodePlanTest, SmallBatchLeavesSpareCtasIdle) {
   b.Add(1, 5);
   const PlanOutput plan = MakePlan(b, 132);
   CheckPlan(b, plan);
-  EXPECT_EQ(plan.summary.active_ctas, 4);
+  EXPECT_EQ(plan.summary.active_parts, 4);
   EXPECT_EQ(plan.summary.num_groups, 0);
 }
 
@@ -200,11 +222,11 @@ TEST(DecodePlanTest, FewerUnitsThanCtasGiveNoEmptyPieces) {
     b.Add(pages, 1);
     const PlanOutput plan = MakePlan(b, 132);
     CheckPlan(b, plan);
-    EXPECT_EQ(plan.summary.active_ctas, 4 * pages);
+    EXPECT_EQ(plan.summary.active_parts, 4 * pages);
     EXPECT_EQ(plan.summary.num_items, 4 * pages);
     EXPECT_EQ(plan.summary.num_slots, 4 * pages);
     for (int c = 0; c < 132; ++c) {
-      for (const WorkItem& it : plan.CtaItems(c)) EXPECT_EQ(it.num_pages, 1) << "CTA " << c;
+      for (const WorkItem& it : plan.PartItems(c)) EXPECT_EQ(it.num_pages, 1) << "part " << c;
     }
   }
 }
@@ -213,13 +235,14 @@ TEST(DecodePlanTest, EmptySequencesGetEmptyItems) {
   Batch b;
   for (int p : {0, 3, 0, 0, 130, 0}) b.Add(p, 9);
   CheckPlan(b, MakePlan(b, 132));
+  EXPECT_EQ(MakePlan(b, 132).summary.num_segments, 8);
   CheckPlan(b, MakePlan(b, 3));
   Batch all_empty;
   for (int i = 0; i < 600; ++i) all_empty.Add(0, 0);
   const PlanOutput plan = MakePlan(all_empty, 132);
   CheckPlan(all_empty, plan);
   EXPECT_EQ(plan.summary.num_items, 2400);
-  EXPECT_EQ(plan.summary.active_ctas, 132);
+  EXPECT_EQ(plan.summary.active_parts, 132);
 }
 
 TEST(DecodePlanTest, EmptyBatchPlansNothing) {
@@ -227,7 +250,42 @@ TEST(DecodePlanTest, EmptyBatchPlansNothing) {
   const PlanOutput plan = MakePlan(b, 132);
   ASSERT_TRUE(plan.status.ok());
   EXPECT_EQ(plan.summary.num_items, 0);
-  EXPECT_EQ(plan.summary.active_ctas, 0);
+  EXPECT_EQ(plan.summary.active_parts, 0);
+  EXPECT_EQ(plan.summary.num_parts, 132);
+  EXPECT_EQ(plan.summary.num_segments, 0);
+}
+
+// More parts per CTA only where the work is large enough: each part keeps min_part_units.
+TEST(DecodePlanTest, PartsPerCtaFollowTheWork) {
+  auto parts_for = [](int pages) {
+    Batch b;
+    b.Add(pages, 64);
+    const PlanOutput plan = MakePlan(b, 132, 4096, 4, 8);
+    CheckPlan(b, plan);
+    return plan.summary.num_parts;
+  };
+  EXPECT_EQ(parts_for(1), 132);        // 4 units: one part per CTA, most of them empty
+  EXPECT_EQ(parts_for(361), 132);      // 1444 units: 10.9 per CTA, under 2 x 8
+  EXPECT_EQ(parts_for(528), 264);      // 2112 units: 16 per CTA
+  EXPECT_EQ(parts_for(40000), 528);    // capped at 4 per CTA
+  Batch b;
+  b.Add(40000, 17);
+  const PlanOutput plan = MakePlan(b, 132, 4096, 4, 8);
+  std::vector<int64_t> units;
+  CheckPlan(b, plan, &units);
+  const auto [lo, hi] = std::minmax_element(units.begin(), units.end());
+  EXPECT_LE(*hi - *lo, 1);
+  EXPECT_EQ(plan.summary.num_groups, kNumKvHeads);
+  EXPECT_EQ(plan.summary.num_slots, 528);
+  // The CTAs' own parts start where they would with one part each (spread over the line).
+  const int64_t total_units = int64_t{kNumKvHeads} * 40000;
+  for (int c = 0; c < 132; ++c) {
+    int64_t first = total_units;
+    for (const WorkItem& it : plan.PartItems(c)) {
+      first = std::min<int64_t>(first, int64_t{it.seq_head % kNumKvHeads} * 40000 + it.page_begin);
+    }
+    EXPECT_EQ(first, total_units * c / 132) << "CTA " << c;
+  }
 }
 
 TEST(DecodePlanTest, FillsCapacityWithoutOverflow) {
@@ -257,6 +315,15 @@ TEST(DecodePlanTest, RejectsInvalidBatches) {
   EXPECT_EQ(BuildDecodePlan(indptr.data(), last.data(), 1, bad, table.data(), &summary).code,
             KernelCode::kInvalidArgument);
   bad.num_ctas = kMaxPlanCtas + 1;
+  EXPECT_EQ(BuildDecodePlan(indptr.data(), last.data(), 1, bad, table.data(), &summary).code,
+            KernelCode::kInvalidArgument);
+  bad = PlanCapacity{132, 8, 0};
+  EXPECT_EQ(BuildDecodePlan(indptr.data(), last.data(), 1, bad, table.data(), &summary).code,
+            KernelCode::kInvalidArgument);
+  bad = PlanCapacity{132, 8, kMaxPartsPerCta + 1};
+  EXPECT_EQ(BuildDecodePlan(indptr.data(), last.data(), 1, bad, table.data(), &summary).code,
+            KernelCode::kInvalidArgument);
+  bad = PlanCapacity{132, 8, 1, 0};
   EXPECT_EQ(BuildDecodePlan(indptr.data(), last.data(), 1, bad, table.data(), &summary).code,
             KernelCode::kInvalidArgument);
 }
@@ -293,14 +360,17 @@ TEST(DecodePlanTest, PlanExecutedOnCpuMatchesReference) {
   std::vector<double> ref_out(b.size() * kQueryElems), ref_lse(b.size() * kNumQoHeads);
   DecodeReferenceF64(args, ref_out.data(), ref_lse.data());
 
-  const PlanOutput plan = MakePlan(b, 13);
+  // 13 CTAs, up to 4 parts each with at least one unit: 52 parts, so that sequences are cut
+  // into several pieces and parts hold several items.
+  const PlanOutput plan = MakePlan(b, 13, 4096, 4, 1);
   CheckPlan(b, plan);
+  ASSERT_EQ(plan.summary.num_parts, 52);
   const double inf = std::numeric_limits<double>::infinity();
   std::vector<double> out(ref_out.size(), std::nan("")), lse(ref_lse.size(), std::nan(""));
   std::vector<double> part_o(plan.summary.num_slots * kGroupSize * kHeadDim);
   std::vector<double> part_lse(plan.summary.num_slots * kGroupSize);
-  for (int c = 0; c < 13; ++c) {
-    for (const WorkItem& it : plan.CtaItems(c)) {
+  for (int c = 0; c < plan.summary.num_parts; ++c) {
+    for (const WorkItem& it : plan.PartItems(c)) {
       const int seq = it.seq_head / 4, kvh = it.seq_head % 4;
       for (int g = 0; g < kGroupSize; ++g) {
         const int64_t row = int64_t{seq} * kNumQoHeads + kvh * kGroupSize + g;
@@ -343,8 +413,8 @@ TEST(DecodePlanTest, PlanExecutedOnCpuMatchesReference) {
     }
   }
   // Merge groups: find each group's (seq, head) from any of its items.
-  for (int c = 0; c < 13; ++c) {
-    for (const WorkItem& it : plan.CtaItems(c)) {
+  for (int c = 0; c < plan.summary.num_parts; ++c) {
+    for (const WorkItem& it : plan.PartItems(c)) {
       if (it.slot < 0 || it.slot != plan.groups()[it.group].slot_begin) continue;
       const MergeGroup& grp = plan.groups()[it.group];
       const int seq = it.seq_head / 4, kvh = it.seq_head % 4;

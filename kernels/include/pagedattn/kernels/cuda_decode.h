@@ -43,14 +43,28 @@ enum class CudaLoadPath {
   kCpAsync,  // 16-byte cp.async by one producer warp (a fallback, same results)
 };
 
-// Benchmarking aids; leave them at their defaults in production.
+// Tuning and benchmarking aids; leave them at their defaults in production.
 struct CudaDecoderTuning {
   int32_t tma_l2_promotion_bytes = 128;  // L2 fetch granule of the TMA copies: 0, 64, 128, 256
   bool skip_attention = false;           // move every page but skip the math (garbage outputs)
-  // The v4 merge hand-off experiment (kernels/bench/NOTES.md): merge group loaded with the
-  // item, one acq_rel atomic instead of two fences, 5-piece merge rounds. Measured slower than
-  // the v3 path (false, the default); kept selectable for the next round's bisection.
-  bool fast_handoff = false;
+  // Work parts per CTA (decode_plan.h): 1 gives each CTA exactly its own equal share; more let
+  // CTAs that finish early take further parts at run time. min_part_units: no more parts than
+  // leave this many (page, KV head) units (32 KiB of K and V each) in every part.
+  // Measured slower than 1 on the H200 so far (kernels/bench/NOTES.md, v5): 1 by default.
+  int32_t parts_per_cta = 1;
+  int32_t min_part_units = 8;
+  // Who merges the pieces of split (seq, head)s (kernels/bench/NOTES.md, v5):
+  //   kInKernel: the decode kernel's CTA that finishes a group's last piece (its chain of
+  //              fence, atomic and loads sits on the critical path when every (seq, head) is
+  //              split into many pieces; cheap and overlapped when few are split in two);
+  //   kKernel:   a second kernel launched right after the decode kernel, one CTA per query
+  //              head of a group (programmatic_launch: as a programmatic dependent launch, so
+  //              its CTAs are resident and waiting when the decode grid ends);
+  //   kAuto:     kKernel when the batch has at most num_ctas / 2 (seq, head)s with pages (each
+  //              is then cut into 2 or more pieces), else kInKernel.
+  enum class Merge { kAuto, kInKernel, kKernel };
+  Merge merge = Merge::kAuto;
+  bool programmatic_launch = true;
 };
 
 struct CudaDecoderOptions {

@@ -2,17 +2,26 @@
 // blocks (CTAs). Pure C++, no CUDA: unit-tested on any machine.
 //
 // The work of a batch is its (sequence, KV head, page) units, laid end to end: sequence-major,
-// then KV head, then page. The plan cuts that line into `num_ctas` ranges of equal length (to
+// then KV head, then page. The plan cuts that line into `num_parts` parts of equal length (to
 // one unit), so a batch of one long sequence fills every CTA and a batch of very uneven lengths
-// is as balanced as a uniform one. The part of a (sequence, KV head) that falls in one CTA's
-// range is a work item. An item that is a whole (sequence, KV head) writes the output directly;
-// the pieces of a (sequence, KV head) cut across CTAs write partial results (output normalised
-// by its own softmax sum, and its log-sum-exp) into slots, and the CTA that finishes the last
-// piece of a merge group combines them by their log-sum-exp.
+// is as balanced as a uniform one. The launch has `num_ctas` CTAs (one per SM): part c < num_ctas
+// is CTA c's first part; parts num_ctas.. are handed out in order, at run time, to whichever CTA
+// finishes its part first (an atomic counter), so that SMs that stream slower take less work.
+// The CTAs' own parts are spread over the line (every k-th part, k = num_parts / num_ctas), so
+// that the CTAs start as far apart as with one part each; the queue then holds the others in
+// line order.
+// num_parts is num_ctas times 1..parts_per_cta: more parts only when every part keeps at least
+// min_part_units units, so that small batches keep one part per CTA and no queue trips.
+//
+// The part of a (sequence, KV head) that falls in one part's range is a work item. An item that
+// is a whole (sequence, KV head) writes the output directly; the pieces of a (sequence, KV head)
+// cut across parts write partial results (output normalised by its own softmax sum, and its
+// log-sum-exp) into slots, and the CTA that finishes the last piece of a merge group combines
+// them by their log-sum-exp.
 //
 // The tables live in one byte buffer (pinned host memory, copied to the device as one block):
-//   [MergeGroup x num_ctas][WorkItem x (num_ctas + rest items)]
-// CTA c's first item is items[c]; its further items are items[rest_begin, rest_begin+rest_count).
+//   [PlanHeader][MergeGroup x max parts][WorkItem x (max parts + rest items)]
+// Part c's first item is items[c]; its further items are items[rest_begin, rest_begin+rest_count).
 #pragma once
 
 #include <cstddef>
@@ -35,38 +44,55 @@ struct WorkItem {
 };
 static_assert(sizeof(WorkItem) == 32);
 
-// The pieces of one (sequence, KV head) split across CTAs: slots [slot_begin, +num_pieces).
+// The pieces of one (sequence, KV head) split across parts: slots [slot_begin, +num_pieces).
 struct MergeGroup {
   int32_t slot_begin = 0;
   int32_t num_pieces = 0;
+  int32_t seq_head = -1;  // sequence * kNumKvHeads + kv_head
+  int32_t reserved = 0;
 };
-static_assert(sizeof(MergeGroup) == 8);
+static_assert(sizeof(MergeGroup) == 16);
+
+// What the kernels read first: how many parts this plan cut the work into, and how many merge
+// groups it has.
+struct PlanHeader {
+  int32_t num_parts = 0;
+  int32_t num_groups = 0;
+  int32_t reserved[6] = {};
+};
+static_assert(sizeof(PlanHeader) == 32);
+
+// The most CTAs a launch may have, and the most parts per CTA.
+inline constexpr int32_t kMaxPlanCtas = 256;
+inline constexpr int32_t kMaxPartsPerCta = 16;
 
 // Fixed capacities; the buffer sizes follow from them.
 struct PlanCapacity {
   int32_t num_ctas = 0;        // thread blocks of a launch, 1..kMaxPlanCtas
   int32_t max_batch_size = 0;  // largest batch a plan accepts
+  int32_t parts_per_cta = 1;   // 1..kMaxPartsPerCta; 1: each CTA does exactly its own part
+  int32_t min_part_units = 8;  // >= 1: no more parts than leave this many units in each
 
-  // Upper bounds: a merge group per split (seq, head), at most num_ctas - 1 of them; at most
-  // 2 * num_ctas slots; items: one per (seq, head) plus one per cut.
-  int64_t MaxGroups() const { return num_ctas; }
-  int64_t MaxSlots() const { return 2 * int64_t{num_ctas}; }
-  int64_t MaxItems() const { return 2 * int64_t{num_ctas} + 4 * int64_t{max_batch_size}; }
-  size_t GroupsOffset() const { return 0; }
+  int64_t MaxParts() const { return int64_t{num_ctas} * parts_per_cta; }
+  // Upper bounds: a merge group per split (seq, head), at most MaxParts() - 1 of them; at most
+  // 2 slots per part; items: one per (seq, head) plus one per cut.
+  int64_t MaxGroups() const { return MaxParts(); }
+  int64_t MaxSlots() const { return 2 * MaxParts(); }
+  int64_t MaxItems() const { return 2 * MaxParts() + 4 * int64_t{max_batch_size}; }
+  size_t GroupsOffset() const { return sizeof(PlanHeader); }
   size_t ItemsOffset() const;
   size_t TableBytes() const;  // bytes of the whole buffer at capacity
 };
 
-// The most CTAs a plan may use (bounds the merge's per-group scratch in the kernel).
-inline constexpr int32_t kMaxPlanCtas = 256;
-
 struct PlanSummary {
   int32_t batch_size = 0;
   int64_t total_pages = 0;   // kv_indptr[batch_size]
-  int32_t num_items = 0;     // all items, first items of CTAs with no work excluded
+  int32_t num_segments = 0;  // (seq, head)s with pages: 4 x the non-empty sequences
+  int32_t num_parts = 0;     // num_ctas x (1..parts_per_cta), as written in the header
+  int32_t num_items = 0;     // all items, first items of parts with no work excluded
   int32_t num_groups = 0;
   int32_t num_slots = 0;
-  int32_t active_ctas = 0;   // CTAs with at least one item
+  int32_t active_parts = 0;  // parts with at least one item
   size_t used_bytes = 0;     // prefix of the buffer that holds the plan (what is copied)
 };
 
