@@ -294,10 +294,11 @@ pt::Workload Synthetic(const std::string& name, const std::vector<int>& lengths,
 void TimeLaunchSequence(pk::CudaDecoder& decoder, const pt::Workload& w, DeviceInputs& in,
                         cudaStream_t stream, int iters) {
   const int64_t b = w.batch_size;
-  const size_t q_bytes = b * pk::kQueryElems * 2;
-  const size_t idx_bytes = w.kv_indices.size() * 4;
-  const size_t slot_bytes = b * 8;
-  const size_t row_bytes = b * pk::kTokenElems * 2;
+  auto align = [](size_t n) { return (n + 255) / 256 * 256; };  // each section 256-byte aligned
+  const size_t q_bytes = align(b * pk::kQueryElems * 2);
+  const size_t idx_bytes = align(w.kv_indices.size() * 4);
+  const size_t slot_bytes = align(b * 8);
+  const size_t row_bytes = align(b * pk::kTokenElems * 2);
   const size_t in_bytes = q_bytes + idx_bytes + slot_bytes + 2 * row_bytes;
   const size_t out_bytes = q_bytes + b * pk::kNumQoHeads * 4;
   char *host_in = nullptr, *host_out = nullptr, *dev_in = nullptr, *dev_out = nullptr;
@@ -306,7 +307,7 @@ void TimeLaunchSequence(pk::CudaDecoder& decoder, const pt::Workload& w, DeviceI
   CHECK_CUDA(cudaMalloc(&dev_in, in_bytes));
   CHECK_CUDA(cudaMalloc(&dev_out, out_bytes));
   std::memset(host_in, 0, in_bytes);
-  std::memcpy(host_in + q_bytes, w.kv_indices.data(), idx_bytes);
+  std::memcpy(host_in + q_bytes, w.kv_indices.data(), w.kv_indices.size() * 4);
   auto* slots = reinterpret_cast<int64_t*>(host_in + q_bytes + idx_bytes);
   for (int64_t s = 0; s < b; ++s) slots[s] = int64_t{w.kv_indices[w.kv_indptr[s]]} * pk::kPageSize;
   pk::DecodeArgs a = in.args;
