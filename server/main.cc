@@ -65,6 +65,10 @@ ABSL_FLAG(int64_t, cuda_spin_wait_us, 2000,
 ABSL_FLAG(int32_t, cuda_copy_threads, 4,
           "CUDA backend: host threads (1..64, the executor included) that copy a batch's q and "
           "k/v rows into pinned memory and its outputs out of it, when it has 128 KiB or more");
+ABSL_FLAG(bool, cuda_stream_per_slot, true,
+          "CUDA backend: each in-flight batch on its own stream, so that its input and output "
+          "copies overlap the neighbouring batches' kernels (their work on the pool stays in "
+          "order); false: one stream for all");
 ABSL_FLAG(int64_t, idle_spin_us, -1,
           "Microseconds the engine's executor and completion threads spin for new work before "
           "they sleep (a core each while they spin; saves a thread wake-up per request); -1: "
@@ -108,6 +112,7 @@ CudaBackend::Options CudaOptionsFromFlags() {
   options.max_in_flight = absl::GetFlag(FLAGS_cuda_max_in_flight);
   options.spin_wait_us = absl::GetFlag(FLAGS_cuda_spin_wait_us);
   options.copy_threads = absl::GetFlag(FLAGS_cuda_copy_threads);
+  options.stream_per_slot = absl::GetFlag(FLAGS_cuda_stream_per_slot);
   return options;
 }
 #endif

@@ -124,6 +124,8 @@ struct Slot {
   cudaEvent_t start = nullptr;   // around the attention, for kernel_seconds
   cudaEvent_t stop = nullptr;
   cudaEvent_t done = nullptr;    // the whole batch, outputs in host_out
+  cudaEvent_t pool_done = nullptr;  // the batch's work on the pool (copies, scatter, attention)
+  cudaStream_t stream = nullptr;    // the slot's own stream, or the backend's shared one
   BackendBatch* batch = nullptr; // launched, not yet waited
   bool timed = false;            // start/stop recorded (the batch has attention)
 };
@@ -157,8 +159,9 @@ struct CudaBackend::Impl {
   StagingCapacity cap;
   uint16_t* k_pool = nullptr;  // device [pool_pages, 64, 4, 128] bf16
   uint16_t* v_pool = nullptr;
-  cudaStream_t stream = nullptr;
+  cudaStream_t stream = nullptr;  // the shared stream (every slot's without stream_per_slot)
   std::vector<Slot> slots;
+  cudaEvent_t last_pool_done = nullptr;  // of the batch launched last: the next one's pool work waits
   int32_t next_launch = 0;
   int32_t next_wait = 0;
   int32_t in_flight = 0;
@@ -186,6 +189,9 @@ CudaBackend::Impl::~Impl() {
     return;
   }
   cudaSetDevice(options.device);
+  for (Slot& slot : slots) {
+    if (slot.stream != nullptr && slot.stream != stream) cudaStreamSynchronize(slot.stream);
+  }
   if (stream != nullptr) cudaStreamSynchronize(stream);
   // Release errors are ignored: nothing useful can be done with them here.
   for (Slot& slot : slots) {
@@ -194,9 +200,10 @@ CudaBackend::Impl::~Impl() {
     if (slot.dev_in != nullptr) cudaFree(slot.dev_in);
     if (slot.host_out != nullptr) cudaFreeHost(slot.host_out);
     if (slot.dev_out != nullptr) cudaFree(slot.dev_out);
-    for (cudaEvent_t e : {slot.staged, slot.start, slot.stop, slot.done}) {
+    for (cudaEvent_t e : {slot.staged, slot.start, slot.stop, slot.done, slot.pool_done}) {
       if (e != nullptr) cudaEventDestroy(e);
     }
+    if (slot.stream != nullptr && slot.stream != stream) cudaStreamDestroy(slot.stream);
   }
   if (k_pool != nullptr) cudaFree(k_pool);
   if (v_pool != nullptr) cudaFree(v_pool);
@@ -337,6 +344,11 @@ absl::Status CudaBackend::Impl::Allocate() {
     PA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&slot.start));
     PA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&slot.stop));
     PA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
+    PA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&slot.pool_done, cudaEventDisableTiming));
+    slot.stream = stream;
+    if (options.stream_per_slot) {
+      PA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&slot.stream, cudaStreamNonBlocking));
+    }
   }
   rebased_indptr.resize(shape.max_batch_size + 1);
   rounds.reserve(8);
@@ -369,6 +381,7 @@ absl::Status CudaBackend::Impl::WaitEvent(cudaEvent_t event, absl::string_view w
 }
 
 absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
+  const cudaStream_t stream = slot.stream;  // everything of this batch goes on its slot's stream
   const Plan& plan = batch.plan;
   const int32_t b = plan.batch_size();
   TokenCursor cursor;
@@ -400,6 +413,11 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
     }
     copies.Run(copier.get());
     PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, h, l.bytes, cudaMemcpyHostToDevice, stream));
+    // The pool work of consecutive batches in launch order: this batch's copy above may run
+    // while the previous batch's kernels do, its pool work not.
+    if (i == 0 && last_pool_done != nullptr) {
+      PA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, last_pool_done, 0));
+    }
 
     if (r.num_copies() > 0) {
       k::PageCopyArgs a;
@@ -450,8 +468,10 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
     // (with a timeout, so the decoder's own wait for its previous table copy never blocks).
     if (i + 1 < rounds.size()) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.staged, stream));
   }
+  if (slot.timed) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.stop, stream));
+  PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.pool_done, stream));
+  last_pool_done = slot.pool_done;
   if (slot.timed) {
-    PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.stop, stream));
     PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.host_out, slot.dev_out, OutputBytes(b),
                                             cudaMemcpyDeviceToHost, stream));
   }

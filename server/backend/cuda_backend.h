@@ -8,14 +8,16 @@
 //     copies, token slots and K/V rows of one round), an output buffer (pinned host + device,
 //     output rows then lse rows), and four events.
 // A Launch packs the batch into its slot's pinned arena (the copies spread over copy_threads
-// host threads when large, see copy_list.h) and enqueues, on the backend's one
-// stream: one host-to-device copy of the arena, the page-copy kernel, the scatter kernel, the
-// decoder's Plan (its own table copy) and Run between two timing events, one device-to-host
-// copy of output and lse, and the slot's done event. A batch over a staging capacity (see
+// host threads when large, see copy_list.h) and enqueues, on its slot's stream
+// (Options::stream_per_slot; else on one stream for all): one host-to-device copy of the arena,
+// a wait for the previous batch's pool work (an event), the page-copy kernel, the scatter
+// kernel, the decoder's Plan (its own table copy) and Run between two timing events, the
+// slot's pool-done event, one device-to-host copy of output and lse, and the slot's done
+// event. So the copies of one batch overlap the kernels of its neighbours, while the work on
+// the pool (copy on write, scatter, attention) stays in launch order. A batch over a staging capacity (see
 // cuda_staging.h) is staged in several rounds; before re-filling the arena for the next round
 // Launch waits for the previous round to finish on the stream (a host stall that only the rare
-// over-capacity batch, such as a long prefill, pays). The one stream keeps batches
-// in launch order. Wait polls the slot's done event (spinning first, then sleeping between
+// over-capacity batch, such as a long prefill, pays). Wait polls the slot's done event (spinning first, then sleeping between
 // polls) and copies the outputs into the batch's rows; kernel_seconds is the event time of the
 // attention.
 //
@@ -48,6 +50,9 @@ class CudaBackend final : public Backend {
     int64_t spin_wait_us = 2000;    // Wait spins this long on the done event, then sleeps
     int64_t wait_timeout_ms = 60000;  // a batch not done by then fails the backend
     int32_t copy_threads = 4;       // host threads packing inputs and outputs, caller included
+    // Each in-flight slot on its own stream: a batch's input copy overlaps the previous batch's
+    // kernels and its output copy the next batch's; false: one stream for all.
+    bool stream_per_slot = true;
   };
 
   // INVALID_ARGUMENT for bad options; UNAVAILABLE without a device; FAILED_PRECONDITION when

@@ -201,6 +201,9 @@ class CudaBackendTest : public ::testing::Test {
     return pages;
   }
 
+  // Twelve batches, three in flight, each rewriting and reading pages 0..3 (below).
+  void RunBatchesInFlight();
+
   Backend::PoolShape shape_;
   std::unique_ptr<CpuBackend> cpu_;
   std::unique_ptr<CudaBackend> gpu_;
@@ -266,9 +269,21 @@ TEST_F(CudaBackendTest, SharedPagesOverTheIndexCapacityAreDecodedInRounds) {
   batch.ExpectSameOutputs("forks over the index capacity");
 }
 
+// Both ways of streaming (a stream per slot, whose pool work waits for the previous batch's;
+// one stream for all).
 TEST_F(CudaBackendTest, BatchesInFlightRunInLaunchOrder) {
   SKIP_WITHOUT_DEVICE();
-  SetUpBackends({.num_layers = 1, .num_pages = 16, .max_batch_size = 4}, {.max_in_flight = 3});
+  for (const bool stream_per_slot : {true, false}) {
+    SCOPED_TRACE(stream_per_slot ? "stream per slot" : "one stream");
+    CudaBackend::Options options;
+    options.max_in_flight = 3;
+    options.stream_per_slot = stream_per_slot;
+    SetUpBackends({.num_layers = 1, .num_pages = 16, .max_batch_size = 4}, options);
+    RunBatchesInFlight();
+  }
+}
+
+void CudaBackendTest::RunBatchesInFlight() {
   FillPool(9);
   ASSERT_EQ(gpu_->max_in_flight(), 3);
   // Every batch rewrites pages 0..3 and reads them: a batch that overtook another would read
