@@ -577,12 +577,14 @@ int main(int argc, char** argv) {
     struct Config {
       int parts, min_units;
       char merge;
+      bool first_in_params = true;
     };
-    const std::vector<Config> configs = {{1, 8, 'i'}, {1, 8, 'k'}, {1, 8, 'a'}, {1, 8, 'n'},
-                                         {2, 8, 'a'}, {4, 8, 'a'}, {4, 16, 'a'}, {8, 8, 'a'}};
+    const std::vector<Config> configs = {{1, 8, 'a', false}, {1, 8, 'a'}, {1, 8, 'i', false},
+                                         {1, 8, 'i'}, {1, 8, 'k', false}, {1, 8, 'k'}};
     std::vector<std::unique_ptr<pk::CudaDecoder>> ds;
     std::printf("\nsweep (TMA, clean flush, median us of 100 runs): parts_per_cta x "
-                "min_part_units, merge i(n kernel) / k(ernel, PDL) / n(o PDL) / a(uto)\n");
+                "min_part_units, merge i(n kernel) / k(ernel, PDL) / n(o PDL) / a(uto), p: first items "
+                "in the launch parameters\n");
     std::printf("%-22s", "workload");
     for (const Config& c : configs) {
       pk::CudaDecoderOptions o;
@@ -591,9 +593,10 @@ int main(int argc, char** argv) {
       using Merge = pk::CudaDecoderTuning::Merge;
       o.tuning.merge = c.merge == 'i' ? Merge::kInKernel : c.merge == 'a' ? Merge::kAuto : Merge::kKernel;
       o.tuning.programmatic_launch = c.merge != 'n';
+      o.tuning.first_items_in_params = c.first_in_params;
       ds.emplace_back();
       CheckStatus(pk::CudaDecoder::Create(o, &ds.back()), "Create (sweep)");
-      std::printf(" %4dx%-2d%c", c.parts, c.min_units, c.merge);
+      std::printf(" %3dx%-2d%c%c", c.parts, c.min_units, c.merge, c.first_in_params ? 'p' : ' ');
     }
     std::printf("\n");
     for (const pt::Workload& w : workloads) {

@@ -313,6 +313,12 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, CudaStream stream) {
       (mode == Merge::kAuto && 2 * int64_t{d.plan.num_segments} <= d.capacity.num_ctas);
   p.merge_in_kernel = merge_kernel ? 0 : 1;
   p.timeline = reinterpret_cast<unsigned long long*>(d.timeline);
+  if (d.options.tuning.first_items_in_params) {
+    p.first_from_params = 1;
+    p.num_parts = d.plan.num_parts;
+    std::memcpy(p.first, static_cast<const char*>(d.host_table) + d.capacity.ItemsOffset(),
+                sizeof(WorkItem) * d.capacity.num_ctas);
+  }
 
   const dim3 grid(d.capacity.num_ctas);
   const dim3 block(detail::kThreads);

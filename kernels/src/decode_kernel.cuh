@@ -75,7 +75,12 @@ struct KernelParams {
   float scale_log2;            // sm_scale * log2(e)
   int32_t skip_attention;      // benchmarking only: move the pages, skip the math
   int32_t merge_in_kernel;     // 1: the last piece's CTA merges a group; 0: MergeKernel does
-  unsigned long long* timeline;  // benchmarking only: [ctas][4] %globaltimer stamps, or null
+  unsigned long long* timeline;
+  // The plan's header and each CTA's first item, copied into the launch parameters (when
+  // first_from_params): a CTA starts with its page ids' load instead of a table load first.
+  int32_t first_from_params;
+  int32_t num_parts;
+  WorkItem first[kMaxPlanCtas];  // benchmarking only: [ctas][4] %globaltimer stamps, or null
 };
 
 struct alignas(1024) SharedStorage {
@@ -597,8 +602,8 @@ __global__ void __launch_bounds__(kThreads, 1) PagedDecodeKernel(const __grid_co
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   ptx::LaunchDependents();  // MergeKernel's CTAs may take their place and wait for this grid
-  const WorkItem head = LoadItem(p.items + blockIdx.x);
-  const int num_parts = __ldg(&p.header->num_parts);
+  const WorkItem head = p.first_from_params ? p.first[blockIdx.x] : LoadItem(p.items + blockIdx.x);
+  const int num_parts = p.first_from_params ? p.num_parts : __ldg(&p.header->num_parts);
   // A CTA whose own part is empty has nothing to do unless the plan has a queue of parts (then
   // every CTA's own part has work, but it must take part in the queue's reset regardless).
   if (head.seq_head < 0 && num_parts <= static_cast<int>(gridDim.x)) return;

@@ -25,7 +25,8 @@ class CudaDecodeTest : public ::testing::Test {
   static void SetUpTestSuite() {
     if (!CudaDecodeDeviceAvailable()) return;
     // The default TMA and cp.async decoders (one part per CTA; merges chosen per batch); the
-    // same with every merge inside the decode kernel; and queues of up to 16 parts per CTA of
+    // same with every merge inside the decode kernel and the first items read from the plan
+    // table instead of the launch parameters; and queues of up to 16 parts per CTA of
     // any size, so that even small batches are cut into many parts handed out at run time,
     // with every merge inside the decode kernel, or every merge by the merge kernel launched
     // without PDL.
@@ -33,6 +34,7 @@ class CudaDecodeTest : public ::testing::Test {
     configs[1].load_path = CudaLoadPath::kCpAsync;
     using Merge = CudaDecoderTuning::Merge;
     configs[2].tuning.merge = Merge::kInKernel;
+    configs[2].tuning.first_items_in_params = false;  // first items read from the plan table
     for (int i : {3, 4}) {
       configs[i].tuning.parts_per_cta = kMaxPartsPerCta;
       configs[i].tuning.min_part_units = 1;

@@ -65,6 +65,9 @@ struct CudaDecoderTuning {
   enum class Merge { kAuto, kInKernel, kKernel };
   Merge merge = Merge::kAuto;
   bool programmatic_launch = true;
+  // The plan's header and every CTA's first work item travel in the launch parameters (8 KiB;
+  // from the pinned plan buffer, at Run), so a CTA's first load is its page ids, not a table.
+  bool first_items_in_params = true;
 };
 
 struct CudaDecoderOptions {
