@@ -385,6 +385,22 @@ __device__ __forceinline__ void WriteRows(const KernelParams& p, int64_t row0, i
   }
 }
 
+// Folds one piece (its base-2 lse and 4 dims of its normalised output) into a running online
+// log-sum-exp merge (max m, sum l, unnormalised acc); padding (lse -inf) changes nothing.
+__device__ __forceinline__ void FoldPiece(float lse, const float4& o, float& m, float& l,
+                                          float4& acc) {
+  const float m_new = fmaxf(m, lse);
+  if (m_new == -INFINITY) return;  // only padding so far
+  const float a = ptx::Exp2(m - m_new);
+  const float b = ptx::Exp2(lse - m_new);
+  l = l * a + b;
+  acc.x = acc.x * a + b * o.x;
+  acc.y = acc.y * a + b * o.y;
+  acc.z = acc.z * a + b * o.z;
+  acc.w = acc.w * a + b * o.w;
+  m = m_new;
+}
+
 // The last CTA of a merge group combines its pieces' partial results by their log-sum-exp.
 // Warp w takes pieces w, w+4, ...; lane holds dims 4*lane..4*lane+3 of all 6 rows and folds its
 // pieces in with an online log-sum-exp (lse and output loads of kMergeRound pieces in flight at
@@ -425,16 +441,7 @@ __device__ void Merge(const KernelParams& p, SharedStorage& s, MergeGroup grp, i
     for (int u = 0; u < kMergeRound; ++u) {
 #pragma unroll
       for (int g = 0; g < kGroupSize; ++g) {
-        const float m_new = fmaxf(m[g], ls[u][g]);
-        if (m_new == -INFINITY) continue;  // only padding so far
-        const float a = ptx::Exp2(m[g] - m_new);
-        const float b = ptx::Exp2(ls[u][g] - m_new);
-        l[g] = l[g] * a + b;
-        acc[g].x = acc[g].x * a + b * o[u][g].x;
-        acc[g].y = acc[g].y * a + b * o[u][g].y;
-        acc[g].z = acc[g].z * a + b * o[u][g].z;
-        acc[g].w = acc[g].w * a + b * o[u][g].w;
-        m[g] = m_new;
+        FoldPiece(ls[u][g], o[u][g], m[g], l[g], acc[g]);
       }
     }
   }
@@ -684,16 +691,7 @@ __global__ void __launch_bounds__(kMergeThreads) MergeKernel(const __grid_consta
       }
 #pragma unroll
       for (int u = 0; u < kMergeUnroll; ++u) {
-        const float m_new = fmaxf(m, ls[u]);
-        if (m_new == -INFINITY) continue;  // only padding so far
-        const float a = ptx::Exp2(m - m_new);
-        const float b = ptx::Exp2(ls[u] - m_new);
-        l = l * a + b;
-        acc.x = acc.x * a + b * o[u].x;
-        acc.y = acc.y * a + b * o[u].y;
-        acc.z = acc.z * a + b * o[u].z;
-        acc.w = acc.w * a + b * o[u].w;
-        m = m_new;
+        FoldPiece(ls[u], o[u], m, l, acc);
       }
     }
     s_o[warp][lane] = acc;

@@ -159,7 +159,7 @@ struct CudaBackend::Impl {
   StagingCapacity cap;
   uint16_t* k_pool = nullptr;  // device [pool_pages, 64, 4, 128] bf16
   uint16_t* v_pool = nullptr;
-  cudaStream_t stream = nullptr;  // the shared stream (every slot's without stream_per_slot)
+  cudaStream_t shared_stream = nullptr;  // every slot's, without stream_per_slot
   std::vector<Slot> slots;
   cudaEvent_t last_pool_done = nullptr;  // of the batch launched last: the next one's pool work waits
   int32_t next_launch = 0;
@@ -190,9 +190,9 @@ CudaBackend::Impl::~Impl() {
   }
   cudaSetDevice(options.device);
   for (Slot& slot : slots) {
-    if (slot.stream != nullptr && slot.stream != stream) cudaStreamSynchronize(slot.stream);
+    if (slot.stream != nullptr && slot.stream != shared_stream) cudaStreamSynchronize(slot.stream);
   }
-  if (stream != nullptr) cudaStreamSynchronize(stream);
+  if (shared_stream != nullptr) cudaStreamSynchronize(shared_stream);
   // Release errors are ignored: nothing useful can be done with them here.
   for (Slot& slot : slots) {
     slot.decoder.reset();
@@ -203,11 +203,11 @@ CudaBackend::Impl::~Impl() {
     for (cudaEvent_t e : {slot.staged, slot.start, slot.stop, slot.done, slot.pool_done}) {
       if (e != nullptr) cudaEventDestroy(e);
     }
-    if (slot.stream != nullptr && slot.stream != stream) cudaStreamDestroy(slot.stream);
+    if (slot.stream != nullptr && slot.stream != shared_stream) cudaStreamDestroy(slot.stream);
   }
   if (k_pool != nullptr) cudaFree(k_pool);
   if (v_pool != nullptr) cudaFree(v_pool);
-  if (stream != nullptr) cudaStreamDestroy(stream);
+  if (shared_stream != nullptr) cudaStreamDestroy(shared_stream);
   cudaGetLastError();
 }
 
@@ -321,7 +321,7 @@ absl::Status CudaBackend::Impl::Allocate() {
   // Zeroed once so that a run is reproducible; the kernel reads no slot it was not given.
   PA_CUDA_RETURN_IF_ERROR(cudaMemset(k_pool, 0, pool_bytes));
   PA_CUDA_RETURN_IF_ERROR(cudaMemset(v_pool, 0, pool_bytes));
-  PA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  PA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&shared_stream, cudaStreamNonBlocking));
 
   const int64_t arena = cap.ArenaBytes();
   const int64_t out = cap.OutputBytes();
@@ -345,7 +345,7 @@ absl::Status CudaBackend::Impl::Allocate() {
     PA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&slot.stop));
     PA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
     PA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&slot.pool_done, cudaEventDisableTiming));
-    slot.stream = stream;
+    slot.stream = shared_stream;
     if (options.stream_per_slot) {
       PA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&slot.stream, cudaStreamNonBlocking));
     }
