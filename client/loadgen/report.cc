@@ -11,6 +11,13 @@
 namespace pagedattn::loadgen {
 namespace {
 
+// The server's pagedattn_stage_duration_seconds stages, in the order of a batch's path
+// (launch_pack is part of launch and wait_unpack of wait; the last four only on a staging
+// backend, the CUDA one).
+constexpr const char* kStages[] = {"to_work", "prepare", "launch", "launch_pack", "device_in",
+                                   "wait", "wait_unpack", "device_out", "callbacks", "release"};
+
+
 // K and V of one token at one layer: 4 heads x 128 x 2 bytes, twice.
 constexpr int64_t kKvBytesPerToken = 2 * kKvRowBytes;
 
@@ -50,7 +57,7 @@ Json ServerBreakdown(const Scrape& before, const Scrape& after) {
                                                    GetHistogram(before, "pagedattn_batch_duration_seconds")),
                                           1e6, "_us"));
   Json stages = Json::Object();
-  for (const char* stage : {"to_work", "prepare", "launch", "wait", "callbacks", "release"}) {
+  for (const char* stage : kStages) {
     const Histogram d = Subtract(GetHistogram(after, "pagedattn_stage_duration_seconds", {{"stage", stage}}),
                                  GetHistogram(before, "pagedattn_stage_duration_seconds", {{"stage", stage}}));
     if (d.count > 0) stages.Set(stage, HistogramToJson(d, 1e6, "_us"));
@@ -285,7 +292,7 @@ std::string FormatSummary(const Json& r) {
     }
     if (stages != nullptr && stages->type() == Json::Type::kObject) {
       std::string line;
-      for (const char* stage : {"to_work", "prepare", "launch", "wait", "callbacks", "release"}) {
+      for (const char* stage : kStages) {
         const double mean = Get(*stages, {stage, "mean_us"});
         if (std::isfinite(mean)) absl::StrAppendFormat(&line, " %s %.1f", stage, mean);
       }

@@ -121,14 +121,21 @@ struct Slot {
   char* host_out = nullptr;  // pinned [OutputBytes]: output rows, then lse rows
   char* dev_out = nullptr;   // device [OutputBytes]
   cudaEvent_t staged = nullptr;  // a round of a multi-round batch is done (host_in free again)
+  cudaEvent_t begin = nullptr;   // before the batch's first copy (device_in_seconds)
   cudaEvent_t start = nullptr;   // around the attention, for kernel_seconds
   cudaEvent_t stop = nullptr;
-  cudaEvent_t done = nullptr;    // the whole batch, outputs in host_out
-  cudaEvent_t pool_done = nullptr;  // the batch's work on the pool (copies, scatter, attention)
+  cudaEvent_t done = nullptr;    // the whole batch, outputs in host_out (device_out_seconds)
+  cudaEvent_t pool_done = nullptr;  // the batch's work on the pool, when it has no attention
+                                    // (else `stop` marks it)
   cudaStream_t stream = nullptr;    // the slot's own stream, or the backend's shared one
   BackendBatch* batch = nullptr; // launched, not yet waited
   bool timed = false;            // start/stop recorded (the batch has attention)
+  double pack_seconds = 0.0;     // host copies into host_in, all rounds of the batch
 };
+
+double SecondsSince(std::chrono::steady_clock::time_point begin) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+}
 
 }  // namespace
 
@@ -200,7 +207,7 @@ CudaBackend::Impl::~Impl() {
     if (slot.dev_in != nullptr) cudaFree(slot.dev_in);
     if (slot.host_out != nullptr) cudaFreeHost(slot.host_out);
     if (slot.dev_out != nullptr) cudaFree(slot.dev_out);
-    for (cudaEvent_t e : {slot.staged, slot.start, slot.stop, slot.done, slot.pool_done}) {
+    for (cudaEvent_t e : {slot.staged, slot.begin, slot.start, slot.stop, slot.done, slot.pool_done}) {
       if (e != nullptr) cudaEventDestroy(e);
     }
     if (slot.stream != nullptr && slot.stream != shared_stream) cudaStreamDestroy(slot.stream);
@@ -341,9 +348,10 @@ absl::Status CudaBackend::Impl::Allocate() {
     e = cudaMalloc(reinterpret_cast<void**>(&slot.dev_out), out);
     if (e != cudaSuccess) return AllocError("the device output buffer", out, e);
     PA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&slot.staged, cudaEventDisableTiming));
+    PA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&slot.begin));
     PA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&slot.start));
     PA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&slot.stop));
-    PA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
+    PA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&slot.done));
     PA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&slot.pool_done, cudaEventDisableTiming));
     slot.stream = shared_stream;
     if (options.stream_per_slot) {
@@ -386,6 +394,8 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
   const int32_t b = plan.batch_size();
   TokenCursor cursor;
   slot.timed = false;
+  slot.pack_seconds = 0.0;
+  PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.begin, stream));
   for (size_t i = 0; i < rounds.size(); ++i) {
     const Round& r = rounds[i];
     if (i > 0) PA_RETURN_IF_ERROR(WaitEvent(slot.staged, "waiting for a staging round"));
@@ -394,6 +404,7 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
     const RoundLayout l = LayoutRound(ns, ni, r.num_copies(), r.num_tokens());
     char* const h = slot.host_in;
     char* const dev = slot.dev_in;
+    const auto pack_begin = std::chrono::steady_clock::now();
     copies.Clear();
     for (int32_t s = 0; s < ns; ++s) {
       copies.Add(h + l.q + s * kQueryBytes, batch.q[r.seq_begin + s], kQueryBytes);
@@ -412,6 +423,7 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
                  reinterpret_cast<uint16_t*>(h + l.v_rows), &copies);
     }
     copies.Run(copier.get());
+    slot.pack_seconds += SecondsSince(pack_begin);
     PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, h, l.bytes, cudaMemcpyHostToDevice, stream));
     // The pool work of consecutive batches in launch order: this batch's copy above may run
     // while the previous batch's kernels do, its pool work not.
@@ -468,9 +480,14 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
     // (with a timeout, so the decoder's own wait for its previous table copy never blocks).
     if (i + 1 < rounds.size()) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.staged, stream));
   }
-  if (slot.timed) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.stop, stream));
-  PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.pool_done, stream));
-  last_pool_done = slot.pool_done;
+  // The end of the attention is the end of the batch's pool work: one event serves as both.
+  if (slot.timed) {
+    PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.stop, stream));
+    last_pool_done = slot.stop;
+  } else {
+    PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.pool_done, stream));
+    last_pool_done = slot.pool_done;
+  }
   if (slot.timed) {
     PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.host_out, slot.dev_out, OutputBytes(b),
                                             cudaMemcpyDeviceToHost, stream));
@@ -525,7 +542,9 @@ absl::Status CudaBackend::Wait(BackendBatch* batch) {
     return d.Fail(std::move(s));
   }
   batch->kernel_seconds = 0.0;
+  batch->pack_seconds = slot.pack_seconds;
   if (slot.timed) {
+    const auto unpack_begin = std::chrono::steady_clock::now();
     const int32_t b = batch->plan.batch_size();
     d.copies.Clear();
     for (int32_t i = 0; i < b; ++i) {
@@ -533,11 +552,17 @@ absl::Status CudaBackend::Wait(BackendBatch* batch) {
       d.copies.Add(batch->lse[i], slot.host_out + LseOffset(b) + i * kLseBytes, kLseBytes);
     }
     d.copies.Run(d.copier.get());
-    float ms = 0.0f;
-    if (const cudaError_t e = cudaEventElapsedTime(&ms, slot.start, slot.stop); e != cudaSuccess) {
-      return d.Fail(CudaError("cudaEventElapsedTime", e));
+    batch->unpack_seconds = SecondsSince(unpack_begin);
+    const std::pair<cudaEvent_t, cudaEvent_t> intervals[] = {
+        {slot.start, slot.stop}, {slot.begin, slot.start}, {slot.stop, slot.done}};
+    double* const seconds[] = {&batch->kernel_seconds, &batch->device_in_seconds,
+                               &batch->device_out_seconds};
+    for (int i = 0; i < 3; ++i) {
+      float ms = 0.0f;
+      const cudaError_t e = cudaEventElapsedTime(&ms, intervals[i].first, intervals[i].second);
+      if (e != cudaSuccess) return d.Fail(CudaError("cudaEventElapsedTime", e));
+      *seconds[i] = ms * 1e-3;
     }
-    batch->kernel_seconds = ms * 1e-3;
   }
   slot.batch = nullptr;
   d.next_wait = (d.next_wait + 1) % static_cast<int32_t>(d.slots.size());

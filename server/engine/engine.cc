@@ -136,6 +136,18 @@ class Engine::Impl {
   void RecordStage(Metrics::Stage stage, absl::Time begin, absl::Time end) {
     if (metrics_ != nullptr) metrics_->RecordStage(stage, absl::ToDoubleSeconds(end - begin));
   }
+  // The parts a staging backend measured (none of them is 0 for a batch it staged).
+  void RecordStagingStages(const BackendBatch& batch) {
+    if (metrics_ == nullptr) return;
+    const std::pair<Metrics::Stage, double> parts[] = {
+        {Metrics::Stage::kPack, batch.pack_seconds},
+        {Metrics::Stage::kUnpack, batch.unpack_seconds},
+        {Metrics::Stage::kDeviceIn, batch.device_in_seconds},
+        {Metrics::Stage::kDeviceOut, batch.device_out_seconds}};
+    for (const auto& [stage, seconds] : parts) {
+      if (seconds > 0.0) metrics_->RecordStage(stage, seconds);
+    }
+  }
 
   const Options options_;
   const std::unique_ptr<Backend> backend_;
@@ -675,6 +687,7 @@ void Engine::Impl::WaitBatch(InFlight* in) {
       const int32_t b = batch.plan.batch_size();
       decoded_sequences_.fetch_add(b);
       if (metrics_ != nullptr && b > 0) metrics_->RecordBatch(b, batch.kernel_seconds);
+      RecordStagingStages(batch);
     }
   }
 }

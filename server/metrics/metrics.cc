@@ -39,6 +39,14 @@ std::string_view Metrics::StageName(Stage stage) {
       return "callbacks";
     case Stage::kRelease:
       return "release";
+    case Stage::kPack:
+      return "launch_pack";
+    case Stage::kUnpack:
+      return "wait_unpack";
+    case Stage::kDeviceIn:
+      return "device_in";
+    case Stage::kDeviceOut:
+      return "device_out";
   }
   return "unknown";
 }
@@ -112,7 +120,11 @@ Metrics::Metrics()
   auto& stages = prometheus::BuildHistogram()
                      .Name("pagedattn_stage_duration_seconds")
                      .Help("Server time by stage: to_work per request; prepare, launch, wait, "
-                           "callbacks, release per batch on the engine's executor")
+                           "callbacks, release per batch on the engine's executor; launch_pack "
+                           "and wait_unpack (host copies through the staging buffers, parts of "
+                           "launch and wait), device_in (on the device: a batch's first queued "
+                           "work to its attention) and device_out (its attention's end to the "
+                           "outputs in host memory) per batch of a staging backend")
                      .Register(*registry_);
   for (int i = 0; i < kNumStages; ++i) {
     stage_duration_[i] =

@@ -29,8 +29,21 @@ class Metrics {
   // (Backend::Wait: until the outputs are in host memory), kCallbacks (every item's
   // completion callback, which hands the response to gRPC), kRelease (freeing the batch's
   // work items).
-  enum class Stage { kToWork, kPrepare, kLaunch, kWait, kCallbacks, kRelease };
-  static constexpr int kNumStages = 6;
+  // kPack and kUnpack are parts of kLaunch and kWait; kDeviceIn and kDeviceOut are measured on
+  // the device (CUDA events). The last four only with a backend that stages (the CUDA one).
+  enum class Stage {
+    kToWork,
+    kPrepare,
+    kLaunch,
+    kWait,
+    kCallbacks,
+    kRelease,
+    kPack,
+    kUnpack,
+    kDeviceIn,
+    kDeviceOut
+  };
+  static constexpr int kNumStages = 10;
   static std::string_view StageName(Stage stage);
 
   Metrics();

@@ -140,6 +140,10 @@ class CpuBackendTest : public ::testing::Test {
     ASSERT_TRUE(backend_->Launch(&batch).ok());
     ASSERT_TRUE(backend_->Wait(&batch).ok());
     EXPECT_GT(batch.kernel_seconds, 0.0);
+    // Nothing is staged on the CPU: the staging stages stay unrecorded.
+    EXPECT_EQ(batch.pack_seconds + batch.unpack_seconds + batch.device_in_seconds +
+                  batch.device_out_seconds,
+              0.0);
 
     k::DecodeArgs args;
     args.q = q.data();

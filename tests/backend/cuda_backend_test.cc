@@ -317,7 +317,7 @@ void CudaBackendTest::RunBatchesInFlight() {
   }
 }
 
-TEST_F(CudaBackendTest, KernelSecondsCountsTheAttentionOnly) {
+TEST_F(CudaBackendTest, KernelSecondsCountsTheAttentionOnlyAndTheStagesAreTimed) {
   SKIP_WITHOUT_DEVICE();
   SetUpBackends({.num_layers = 1, .num_pages = 64, .max_batch_size = 4});
   TestBatch writes(10);
@@ -338,6 +338,12 @@ TEST_F(CudaBackendTest, KernelSecondsCountsTheAttentionOnly) {
   ASSERT_TRUE(gpu_->Wait(d).ok());
   EXPECT_GT(d->kernel_seconds, 0.0);
   EXPECT_LT(d->kernel_seconds, 0.1);
+  // The staging stages: host copies in and out, device time before and after the attention.
+  for (double seconds : {d->pack_seconds, d->unpack_seconds, d->device_in_seconds,
+                         d->device_out_seconds}) {
+    EXPECT_GT(seconds, 0.0);
+    EXPECT_LT(seconds, 0.1);
+  }
 }
 
 TEST_F(CudaBackendTest, ABadBatchIsInternalAndLeavesTheBackendWorking) {
