@@ -621,6 +621,13 @@ int main(int argc, char** argv) {
       in.Init(w, rng());
       std::printf(" %s:\n", name.c_str());
       TimeLaunchSequence(*tma, w, in, stream, 500);
+      // The host cost of v6's first work items in the launch parameters (8 KiB per launch).
+      pk::CudaDecoderOptions o;  // the defaults, as `tma` (options is cp.async's by now)
+      o.tuning.first_items_in_params = false;
+      std::unique_ptr<pk::CudaDecoder> table_only;
+      CheckStatus(pk::CudaDecoder::Create(o, &table_only), "Create (first items from the table)");
+      std::printf(" %s, first items from the table (not the launch parameters):\n", name.c_str());
+      TimeLaunchSequence(*table_only, w, in, stream, 500);
     }
   }
   if (variants || timelines) {

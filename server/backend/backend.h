@@ -59,10 +59,10 @@ struct BackendBatch {
   double kernel_seconds = 0.0;
   // Set by a backend that stages through host buffers (the CUDA one; 0 elsewhere), for the
   // stage metrics: Launch's host copies into its staging buffers, Wait's copies of the outputs
-  // out of them, and on the device the time from the batch's first queued work to the start of
-  // its attention (input copies, pool writes, plan tables, and any wait for the previous batch
-  // or for the host to issue the launch) and from the end of the attention to the outputs in
-  // host memory.
+  // out of them, and on the device the time from the batch's input copy (issued once packed) to
+  // the start of its attention (the copies, pool writes, plan tables, and any wait for the
+  // previous batch or for the host to issue the launch) and from the end of the attention to
+  // the outputs in host memory.
   double pack_seconds = 0.0;
   double unpack_seconds = 0.0;
   double device_in_seconds = 0.0;

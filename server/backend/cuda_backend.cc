@@ -121,7 +121,8 @@ struct Slot {
   char* host_out = nullptr;  // pinned [OutputBytes]: output rows, then lse rows
   char* dev_out = nullptr;   // device [OutputBytes]
   cudaEvent_t staged = nullptr;  // a round of a multi-round batch is done (host_in free again)
-  cudaEvent_t begin = nullptr;   // before the batch's first copy (device_in_seconds)
+  cudaEvent_t begin = nullptr;   // before the batch's input copy, after the host packed it
+                                 // (device_in_seconds)
   cudaEvent_t start = nullptr;   // around the attention, for kernel_seconds
   cudaEvent_t stop = nullptr;
   cudaEvent_t done = nullptr;    // the whole batch, outputs in host_out (device_out_seconds)
@@ -395,7 +396,6 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
   TokenCursor cursor;
   slot.timed = false;
   slot.pack_seconds = 0.0;
-  PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.begin, stream));
   for (size_t i = 0; i < rounds.size(); ++i) {
     const Round& r = rounds[i];
     if (i > 0) PA_RETURN_IF_ERROR(WaitEvent(slot.staged, "waiting for a staging round"));
@@ -424,6 +424,7 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
     }
     copies.Run(copier.get());
     slot.pack_seconds += SecondsSince(pack_begin);
+    if (i == 0) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.begin, stream));
     PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, h, l.bytes, cudaMemcpyHostToDevice, stream));
     // The pool work of consecutive batches in launch order: this batch's copy above may run
     // while the previous batch's kernels do, its pool work not.

@@ -122,8 +122,8 @@ Metrics::Metrics()
                      .Help("Server time by stage: to_work per request; prepare, launch, wait, "
                            "callbacks, release per batch on the engine's executor; launch_pack "
                            "and wait_unpack (host copies through the staging buffers, parts of "
-                           "launch and wait), device_in (on the device: a batch's first queued "
-                           "work to its attention) and device_out (its attention's end to the "
+                           "launch and wait), device_in (on the device: a batch's input copy "
+                           "to its attention) and device_out (its attention's end to the "
                            "outputs in host memory) per batch of a staging backend")
                      .Register(*registry_);
   for (int i = 0; i < kNumStages; ++i) {
