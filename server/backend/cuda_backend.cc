@@ -422,7 +422,8 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
                  reinterpret_cast<uint16_t*>(h + l.k_rows),
                  reinterpret_cast<uint16_t*>(h + l.v_rows), &copies);
     }
-    copies.Run(copier.get());
+    // Non-temporal stores: the arena's next reader is the copy to the device below.
+    copies.Run(copier.get(), CopyList::kDefaultParallelBytes, CopyList::Reader::kDevice);
     slot.pack_seconds += SecondsSince(pack_begin);
     if (i == 0) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.begin, stream));
     PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, h, l.bytes, cudaMemcpyHostToDevice, stream));
