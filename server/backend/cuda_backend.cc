@@ -404,6 +404,18 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
     const RoundLayout l = LayoutRound(ns, ni, r.num_copies(), r.num_tokens());
     char* const h = slot.host_in;
     char* const dev = slot.dev_in;
+    // The decoder's plan first: its table copy then travels ahead of the arena's, while the host
+    // packs, and after the arena copy only the launches are left to issue. (The slot's decoder
+    // is free: its previous batch was waited, or its previous round waited for above.)
+    if (ns > 0) {
+      const int32_t* indptr = plan.kv_indptr.data() + r.seq_begin;
+      if (r.seq_begin > 0) {
+        for (int32_t s = 0; s <= ns; ++s) rebased_indptr[s] = indptr[s] - indptr[0];
+        indptr = rebased_indptr.data();
+      }
+      PA_RETURN_IF_ERROR(KernelFailure(
+          slot.decoder->Plan(indptr, plan.kv_last_page_len.data() + r.seq_begin, ns, stream)));
+    }
     const auto pack_begin = std::chrono::steady_clock::now();
     copies.Clear();
     for (int32_t s = 0; s < ns; ++s) {
@@ -454,13 +466,6 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
       PA_RETURN_IF_ERROR(KernelFailure(k::LaunchTokenScatter(a, stream)));
     }
     if (ns > 0) {
-      const int32_t* indptr = plan.kv_indptr.data() + r.seq_begin;
-      if (r.seq_begin > 0) {
-        for (int32_t s = 0; s <= ns; ++s) rebased_indptr[s] = indptr[s] - indptr[0];
-        indptr = rebased_indptr.data();
-      }
-      PA_RETURN_IF_ERROR(KernelFailure(
-          slot.decoder->Plan(indptr, plan.kv_last_page_len.data() + r.seq_begin, ns, stream)));
       if (!slot.timed) {
         PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.start, stream));
         slot.timed = true;

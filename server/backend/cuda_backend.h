@@ -7,20 +7,21 @@
 //     arena (pinned host + device copy, StagingCapacity::ArenaBytes: q rows, kv_indices, page
 //     copies, token slots and K/V rows of one round), an output buffer (pinned host + device,
 //     output rows then lse rows), six events and (stream_per_slot) a stream.
-// A Launch packs the batch into its slot's pinned arena (the copies spread over copy_threads
-// host threads when large, see copy_list.h) and enqueues, on its slot's stream
+// A Launch plans the batch (the decoder's Plan, whose table copy goes first), packs it into its
+// slot's pinned arena (the copies spread over copy_threads host threads when large, with
+// non-temporal stores, see copy_list.h) and enqueues, on its slot's stream
 // (Options::stream_per_slot; else on one stream for all): one host-to-device copy of the arena,
 // a wait for the previous batch's pool work (an event), the page-copy kernel, the scatter
-// kernel, the decoder's Plan (its own table copy) and Run between two timing events (the
-// second is also the pool-done event), one device-to-host copy of output and lse, and the
-// slot's done event (a timing one, as is a `begin` event before the input copy: the
-// device_in/device_out stage times). So the copies of one batch overlap the kernels of its neighbours, while the work on
-// the pool (copy on write, scatter, attention) stays in launch order. A batch over a staging capacity (see
+// kernel, the decoder's Run between two timing events (the second is also the pool-done
+// event), one device-to-host copy of output and lse, and the slot's done event (a timing one,
+// as is a `begin` event before the input copy: the device_in/device_out stage times). So the
+// copies of one batch overlap the kernels of its neighbours, while the work on the pool (copy
+// on write, scatter, attention) stays in launch order. A batch over a staging capacity (see
 // cuda_staging.h) is staged in several rounds; before re-filling the arena for the next round
 // Launch waits for the previous round to finish on the stream (a host stall that only the rare
-// over-capacity batch, such as a long prefill, pays). Wait polls the slot's done event (spinning first, then sleeping between
-// polls) and copies the outputs into the batch's rows; kernel_seconds is the event time of the
-// attention.
+// over-capacity batch, such as a long prefill, pays). Wait polls the slot's done event
+// (spinning first, then sleeping between polls) and copies the outputs into the batch's rows;
+// kernel_seconds is the event time of the attention.
 //
 // Errors: a bad batch (a page id, slot or size out of range) is INTERNAL and changes nothing.
 // Any CUDA error (or a batch not done within wait_timeout_ms) is INTERNAL with the CUDA error
