@@ -344,6 +344,14 @@ void TimeLaunchSequence(pk::CudaDecoder& decoder, const pt::Workload& w, DeviceI
   auto us = [](Clock::time_point a0, Clock::time_point a1) {
     return std::chrono::duration<double, std::micro>(a1 - a0).count();
   };
+  // One step's device work recorded into a new graph (the caller destroys it).
+  auto capture = [&] {
+    cudaGraph_t graph = nullptr;
+    CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    device_work(cudaEventRecordExternal);
+    CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+    return graph;
+  };
   cudaGraphExec_t exec = nullptr;
   cudaGraphExec_t fixed = nullptr;
   int updates_failed = 0;
@@ -356,10 +364,7 @@ void TimeLaunchSequence(pk::CudaDecoder& decoder, const pt::Workload& w, DeviceI
         device_work(cudaEventRecordDefault);
       } else if (mode == 1) {
         plan();
-        cudaGraph_t graph = nullptr;
-        CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        device_work(cudaEventRecordExternal);
-        CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+        cudaGraph_t graph = capture();
         if (exec != nullptr) {
           cudaGraphExecUpdateResultInfo info;
           if (cudaGraphExecUpdate(exec, graph, &info) != cudaSuccess) {
@@ -375,10 +380,7 @@ void TimeLaunchSequence(pk::CudaDecoder& decoder, const pt::Workload& w, DeviceI
       } else {
         if (fixed == nullptr) {
           plan();
-          cudaGraph_t graph = nullptr;
-          CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-          device_work(cudaEventRecordExternal);
-          CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+          cudaGraph_t graph = capture();
           CHECK_CUDA(cudaGraphInstantiate(&fixed, graph, 0));
           CHECK_CUDA(cudaGraphDestroy(graph));
         }
