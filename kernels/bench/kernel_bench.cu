@@ -7,6 +7,11 @@
 // CUDA events bracket the decode launch alone; the median over --iters runs (default 200) is
 // reported, for the TMA and the cp.async load path. Read bandwidth counts the
 // K and V bytes the batch needs: tokens x 4 heads x 128 x 2 bytes x 2.
+// Floors, timed the same way (--floors, on by default): per workload, the same streaming-read
+// kernel over exactly the workload's K and V bytes, contiguous (the best of 1, 2 and 4 blocks
+// per SM): what any kernel that reads those bytes once pays, launch and ramp included; once,
+// empty kernels (plain, with the decoder's shared memory, and followed by a programmatic
+// dependent launch that waits for it): the cost of a launch as the events see it.
 // Output: a table on stdout and one JSON object per workload in --out.
 #include <cuda_runtime.h>
 
@@ -49,7 +54,18 @@ void CheckStatus(const pk::KernelStatus& st, const char* what) {
   }
 }
 
-__global__ void StreamReadKernel(const uint4* __restrict__ src, int64_t n, uint32_t* sink) {
+__device__ __forceinline__ unsigned long long GlobalTimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Reads n 16-byte words. kPreferShared: the same kernel, set up at start to ask for the largest
+// shared-memory carveout (so that a decode kernel after it needs no L1/shared reconfiguration).
+// end_stamp, when non-null: raised to the %globaltimer of each CTA's end.
+template <bool kPreferShared>
+__global__ void StreamReadKernel(const uint4* __restrict__ src, int64_t n, uint32_t* sink,
+                                 unsigned long long* end_stamp) {
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   uint32_t acc = 0;
@@ -66,7 +82,17 @@ __global__ void StreamReadKernel(const uint4* __restrict__ src, int64_t n, uint3
     acc ^= a.x ^ a.y ^ a.z ^ a.w;
   }
   if (acc == 0x9e3779b9u) *sink = acc;  // keeps the loads; practically never true
+  if (end_stamp != nullptr) {
+    __syncthreads();
+    if (threadIdx.x == 0) atomicMax(end_stamp, GlobalTimer());
+  }
 }
+
+__global__ void EmptyKernel() {}
+
+// The two halves of a programmatic dependent launch pair, empty.
+__global__ void EmptyPrimaryKernel() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__global__ void EmptySecondaryKernel() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
 std::string ShortName(const std::string& name) {
   const size_t p = name.rfind("_p");
@@ -85,8 +111,10 @@ double Quantile(std::vector<double> v, double q) {
 // Evicts the workload from L2 before a timed run. kDirty: a 256 MiB memset, which leaves the L2
 // full of dirty lines whose write-back the next kernel pays for (triton.testing.do_bench's
 // convention). kClean: the same memset, then a 256 MiB streaming read, so the timed kernel starts
-// with an L2 of clean, useless lines.
-enum class FlushMode { kDirty, kClean };
+// with an L2 of clean, useless lines. kCleanShared: kClean with the read kernel asking for the
+// largest shared-memory carveout (an experiment: does the L1/shared reconfiguration between a
+// kernel without shared memory and the decoder cost time?).
+enum class FlushMode { kDirty, kClean, kCleanShared };
 
 struct Flusher {
   void* buf = nullptr;
@@ -102,15 +130,19 @@ struct Flusher {
     cudaFree(buf);
     cudaFree(sink);
   }
-  void Flush(cudaStream_t s, FlushMode mode);
+  // end_stamp (clean modes): raised to the read kernel's last CTA end (%globaltimer).
+  void Flush(cudaStream_t s, FlushMode mode, unsigned long long* end_stamp = nullptr);
 };
 
-void Flusher::Flush(cudaStream_t s, FlushMode mode) {
+void Flusher::Flush(cudaStream_t s, FlushMode mode, unsigned long long* end_stamp) {
   CHECK_CUDA(cudaMemsetAsync(buf, ++round & 0xff, bytes, s));
+  const uint4* src = static_cast<const uint4*>(buf);
   if (mode == FlushMode::kClean) {
-    StreamReadKernel<<<sms * 4, 512, 0, s>>>(static_cast<const uint4*>(buf), bytes / 16, sink);
-    CHECK_CUDA(cudaGetLastError());
+    StreamReadKernel<false><<<sms * 4, 512, 0, s>>>(src, bytes / 16, sink, end_stamp);
+  } else if (mode == FlushMode::kCleanShared) {
+    StreamReadKernel<true><<<sms * 4, 512, 0, s>>>(src, bytes / 16, sink, end_stamp);
   }
+  CHECK_CUDA(cudaGetLastError());
 }
 
 double StreamReadGBps(cudaStream_t stream, int sms) {
@@ -128,7 +160,7 @@ double StreamReadGBps(cudaStream_t stream, int sms) {
     std::vector<double> us;
     for (int r = 0; r < 23; ++r) {
       CHECK_CUDA(cudaEventRecord(e0, stream));
-      StreamReadKernel<<<sms * blocks_per_sm, 512, 0, stream>>>(buf, bytes / 16, sink);
+      StreamReadKernel<false><<<sms * blocks_per_sm, 512, 0, stream>>>(buf, bytes / 16, sink, nullptr);
       CHECK_CUDA(cudaGetLastError());
       CHECK_CUDA(cudaEventRecord(e1, stream));
       CHECK_CUDA(cudaEventSynchronize(e1));
@@ -191,22 +223,20 @@ struct DeviceInputs {
   }
 };
 
-Timing TimeDecoder(pk::CudaDecoder& decoder, const pt::Workload& w, DeviceInputs& in,
-                   Flusher& flusher, FlushMode mode, cudaStream_t stream, int iters) {
+// Times `launch` (work issued on `stream`) the bench's way: 5 warm-up runs, then `iters` runs,
+// each after a flush, bracketed by CUDA events.
+template <typename Launch>
+Timing TimeRuns(Flusher& flusher, FlushMode mode, cudaStream_t stream, int iters,
+                const Launch& launch) {
   Timing t;
-  const auto p0 = std::chrono::steady_clock::now();
-  CheckStatus(decoder.Plan(w.kv_indptr.data(), w.kv_last_page_len.data(), w.batch_size, stream),
-              "Plan");
-  const auto p1 = std::chrono::steady_clock::now();
-  t.plan_us = std::chrono::duration<double, std::micro>(p1 - p0).count();
-  for (int r = 0; r < 5; ++r) CheckStatus(decoder.Run(in.args, stream), "Run");
+  for (int r = 0; r < 5; ++r) launch();
   CHECK_CUDA(cudaStreamSynchronize(stream));
   std::vector<cudaEvent_t> ev(2 * iters);
   for (auto& e : ev) CHECK_CUDA(cudaEventCreate(&e));
   for (int r = 0; r < iters; ++r) {
     flusher.Flush(stream, mode);
     CHECK_CUDA(cudaEventRecord(ev[2 * r], stream));
-    CheckStatus(decoder.Run(in.args, stream), "Run");
+    launch();
     CHECK_CUDA(cudaEventRecord(ev[2 * r + 1], stream));
   }
   CHECK_CUDA(cudaStreamSynchronize(stream));
@@ -223,43 +253,148 @@ Timing TimeDecoder(pk::CudaDecoder& decoder, const pt::Workload& w, DeviceInputs
   return t;
 }
 
-// One clean-flushed run with per-CTA %globaltimer stamps: where the time of a launch goes.
-void PrintTimeline(pk::CudaDecoder& decoder, const pt::Workload& w, DeviceInputs& in,
-                   Flusher& flusher, cudaStream_t stream) {
+Timing TimeDecoder(pk::CudaDecoder& decoder, const pt::Workload& w, DeviceInputs& in,
+                   Flusher& flusher, FlushMode mode, cudaStream_t stream, int iters) {
+  const auto p0 = std::chrono::steady_clock::now();
+  CheckStatus(decoder.Plan(w.kv_indptr.data(), w.kv_last_page_len.data(), w.batch_size, stream),
+              "Plan");
+  const auto p1 = std::chrono::steady_clock::now();
+  Timing t = TimeRuns(flusher, mode, stream, iters,
+                      [&] { CheckStatus(decoder.Run(in.args, stream), "Run"); });
+  t.plan_us = std::chrono::duration<double, std::micro>(p1 - p0).count();
+  return t;
+}
+
+// The floor of a workload: the streaming-read kernel over `bytes` of `src` (contiguous), the
+// best median of 1, 2 and 4 blocks of 512 threads per SM.
+double StreamFloorUs(const uint4* src, double bytes, uint32_t* sink, int sms, Flusher& flusher,
+                     cudaStream_t stream, int iters) {
+  double best = 1e30;
+  const int64_t n = static_cast<int64_t>(bytes / 16);
+  for (int blocks_per_sm : {1, 2, 4}) {
+    const Timing t = TimeRuns(flusher, FlushMode::kClean, stream, iters, [&] {
+      StreamReadKernel<false><<<sms * blocks_per_sm, 512, 0, stream>>>(src, n, sink, nullptr);
+      CHECK_CUDA(cudaGetLastError());
+    });
+    best = std::min(best, t.median_us);
+  }
+  return best;
+}
+
+// What a launch costs as the events see it, after the same flush: an empty kernel of the
+// decoder's grid and block; the same with the decoder's dynamic shared memory; that one as the
+// primary of a programmatic dependent launch whose secondary (the merge kernel's grid and
+// block) waits for it.
+struct LaunchFloors {
+  double empty_us = 0, empty_smem_us = 0, pdl_pair_us = 0;
+};
+LaunchFloors MeasureLaunchFloors(int ctas, int threads, size_t smem, Flusher& flusher,
+                                 cudaStream_t stream, int iters) {
+  CHECK_CUDA(cudaFuncSetAttribute(EmptyKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(smem)));
+  CHECK_CUDA(cudaFuncSetAttribute(EmptyPrimaryKernel,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(smem)));
+  LaunchFloors f;
+  f.empty_us = TimeRuns(flusher, FlushMode::kClean, stream, iters, [&] {
+                 EmptyKernel<<<ctas, threads, 0, stream>>>();
+                 CHECK_CUDA(cudaGetLastError());
+               }).median_us;
+  f.empty_smem_us = TimeRuns(flusher, FlushMode::kClean, stream, iters, [&] {
+                      EmptyKernel<<<ctas, threads, smem, stream>>>();
+                      CHECK_CUDA(cudaGetLastError());
+                    }).median_us;
+  f.pdl_pair_us = TimeRuns(flusher, FlushMode::kClean, stream, iters, [&] {
+                    EmptyPrimaryKernel<<<ctas, threads, smem, stream>>>();
+                    CHECK_CUDA(cudaGetLastError());
+                    cudaLaunchConfig_t config = {};
+                    config.gridDim = dim3(ctas);
+                    config.blockDim = dim3(128);
+                    config.stream = stream;
+                    cudaLaunchAttribute attribute;
+                    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                    attribute.val.programmaticStreamSerializationAllowed = 1;
+                    config.attrs = &attribute;
+                    config.numAttrs = 1;
+                    CHECK_CUDA(cudaLaunchKernelEx(&config, EmptySecondaryKernel));
+                  }).median_us;
+  return f;
+}
+
+// The workload with its pages renumbered 0, 1, 2, ... in batch order: the same shape over a
+// contiguous stretch of the pool (the locality experiment).
+pt::Workload Contiguous(const pt::Workload& w) {
+  pt::Workload c = w;
+  std::iota(c.kv_indices.begin(), c.kv_indices.end(), 0);
+  c.num_pages = std::max<int64_t>(w.num_pages, static_cast<int64_t>(c.kv_indices.size()));
+  return c;
+}
+
+// One clean-flushed run with per-CTA %globaltimer stamps: where the time of a launch goes. Times
+// are from the end of the flush's read kernel (its last CTA), the event that starts a timed run.
+// `detail`: also the 6 CTAs that finished last and the 3 that finished first, with their SM,
+// items, in-kernel merges, pages, and the time their consumers spent finishing items and
+// waiting for pages.
+void PrintTimeline(pk::CudaDecoder& decoder, const char* label, const pt::Workload& w,
+                   DeviceInputs& in, Flusher& flusher, cudaStream_t stream, bool detail) {
+  constexpr int kSlots = 8;  // per CTA (cuda_decode.h, SetTimelineForBenchmark)
   const int n = decoder.num_ctas();
+  const size_t stamps = size_t{kSlots} * n + 2;  // + the merge kernel's end, the flush's end
   uint64_t* dev = nullptr;
-  CHECK_CUDA(cudaMalloc(&dev, n * 4 * sizeof(uint64_t)));
-  CHECK_CUDA(cudaMemset(dev, 0, n * 4 * sizeof(uint64_t)));
+  CHECK_CUDA(cudaMalloc(&dev, stamps * sizeof(uint64_t)));
   CheckStatus(decoder.Plan(w.kv_indptr.data(), w.kv_last_page_len.data(), w.batch_size, stream),
               "Plan");
   decoder.SetTimelineForBenchmark(dev);
-  std::vector<double> e2e;
-  std::vector<uint64_t> host(n * 4);
-  std::vector<double> first, last, exit_t, entry;
+  std::vector<uint64_t> host(stamps);
   for (int r = 0; r < 5; ++r) {
-    flusher.Flush(stream, FlushMode::kClean);
+    CHECK_CUDA(cudaMemsetAsync(dev, 0, stamps * sizeof(uint64_t), stream));
+    flusher.Flush(stream, FlushMode::kClean, reinterpret_cast<unsigned long long*>(dev + stamps - 1));
     CheckStatus(decoder.Run(in.args, stream), "Run");
     CHECK_CUDA(cudaStreamSynchronize(stream));
   }
-  CHECK_CUDA(cudaMemcpy(host.data(), dev, host.size() * 8, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(host.data(), dev, stamps * 8, cudaMemcpyDeviceToHost));
   decoder.SetTimelineForBenchmark(nullptr);
-  uint64_t base = ~0ull;
-  for (int c = 0; c < n; ++c) {
-    if (host[4 * c] != 0) base = std::min(base, host[4 * c]);
-  }
-  for (int c = 0; c < n; ++c) {
-    if (host[4 * c] == 0) continue;
-    entry.push_back((host[4 * c] - base) * 1e-3);
-    first.push_back((host[4 * c + 1] - base) * 1e-3);
-    last.push_back((host[4 * c + 2] - base) * 1e-3);
-    exit_t.push_back((host[4 * c + 3] - base) * 1e-3);
-  }
-  auto mx = [](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); };
-  std::printf("  timeline %-14s (us from first CTA entry, median/max over %zu CTAs): entry %.1f/%.1f"
-              "  first page %.1f/%.1f  last page %.1f/%.1f  exit %.1f/%.1f\n",
-              ShortName(w.name).c_str(), entry.size(), Median(entry), mx(entry), Median(first),
-              mx(first), Median(last), mx(last), Median(exit_t), mx(exit_t));
   cudaFree(dev);
+  const uint64_t base = host[stamps - 1];
+  auto rel = [&](uint64_t t) { return (static_cast<double>(t) - static_cast<double>(base)) * 1e-3; };
+  struct Cta {
+    int id;
+    double entry, first, last, exit, finish_us, wait_us;
+    uint32_t smid, items, merges, pages;
+  };
+  std::vector<Cta> ctas;
+  for (int c = 0; c < n; ++c) {
+    const uint64_t* t = &host[size_t{kSlots} * c];
+    if (t[0] == 0) continue;
+    ctas.push_back({c, rel(t[0]), rel(t[1]), rel(t[2]), rel(t[3]), t[6] * 1e-3, t[7] * 1e-3,
+                    static_cast<uint32_t>(t[4] >> 32), static_cast<uint32_t>(t[4]),
+                    static_cast<uint32_t>(t[5] >> 32), static_cast<uint32_t>(t[5])});
+  }
+  auto column = [&](double Cta::*f) {
+    std::vector<double> v;
+    for (const Cta& c : ctas) v.push_back(c.*f);
+    return v;
+  };
+  auto mn = [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); };
+  auto mx = [](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); };
+  const std::vector<double> entry = column(&Cta::entry), first = column(&Cta::first),
+                            last = column(&Cta::last), exit_t = column(&Cta::exit);
+  const uint64_t merge_end = host[size_t{kSlots} * n];
+  char merge[48] = "no merge kernel";
+  if (merge_end != 0) std::snprintf(merge, sizeof merge, "merge kernel end %.1f", rel(merge_end));
+  std::printf("  %-12s %-14s (us from the flush's end; median/max over %zu CTAs): entry "
+              "%.1f(min)/%.1f/%.1f  first page %.1f/%.1f  last page %.1f/%.1f  exit %.1f/%.1f  %s\n",
+              label, ShortName(w.name).c_str(), ctas.size(), mn(entry), Median(entry), mx(entry),
+              Median(first), mx(first), Median(last), mx(last), Median(exit_t), mx(exit_t), merge);
+  if (!detail) return;
+  std::sort(ctas.begin(), ctas.end(), [](const Cta& a, const Cta& b) { return a.exit > b.exit; });
+  std::printf("    cta  sm items merges pages  first   last   exit finish_us wait_us\n");
+  for (size_t i = 0; i < ctas.size(); ++i) {
+    if (i >= 6 && i + 3 < ctas.size()) continue;
+    const Cta& c = ctas[i];
+    std::printf("    %3d %3u %5u %6u %5u %6.1f %6.1f %6.1f %9.1f %7.1f\n", c.id, c.smid, c.items,
+                c.merges, c.pages, c.first, c.last, c.exit, c.finish_us, c.wait_us);
+  }
 }
 
 // A batch of `lengths` pages each (full last pages) over distinct random pages of a pool.
@@ -428,6 +563,7 @@ int main(int argc, char** argv) {
   bool timelines = false;
   bool sweep = false;
   bool launch_sequence = false;
+  bool floors = true;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--workloads" && i + 1 < argc) path = argv[++i];
@@ -440,11 +576,12 @@ int main(int argc, char** argv) {
     else if (a == "--timelines") timelines = true;
     else if (a == "--sweep") sweep = true;
     else if (a == "--launch-sequence") launch_sequence = true;
+    else if (a == "--no-floors") floors = false;
     else {
       std::fprintf(stderr,
                    "usage: %s [--workloads FILE] [--out FILE] [--iters N] [--no-uneven] "
                    "[--no-cpasync] [--variants] [--timelines] [--sweep] [--launch-sequence] "
-                   "[--default-cpasync]\n",
+                   "[--default-cpasync] [--no-floors]\n",
                    argv[0]);
       return 2;
     }
@@ -462,6 +599,9 @@ int main(int argc, char** argv) {
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const double stream_gbps = StreamReadGBps(stream, prop.multiProcessorCount);
+  CHECK_CUDA(cudaFuncSetAttribute(StreamReadKernel<true>,
+                                  cudaFuncAttributePreferredSharedMemoryCarveout,
+                                  cudaSharedmemCarveoutMaxShared));
 
   std::unique_ptr<pk::CudaDecoder> tma, cp, alt;
   pk::CudaDecoderOptions options;
@@ -499,11 +639,31 @@ int main(int argc, char** argv) {
     return 1;
   }
   Flusher flusher(prop.multiProcessorCount);
+  LaunchFloors launch_floors;
+  uint4* floor_buf = nullptr;
+  uint32_t* floor_sink = nullptr;
+  if (floors) {
+    launch_floors = MeasureLaunchFloors(tma->num_ctas(), tma->threads_per_cta(),
+                                        tma->shared_memory_bytes(), flusher, stream, iters);
+    std::printf("launch floors (median of %d, clean flush): empty kernel %.2f us, with %zu B of "
+                "shared memory %.2f us, that + a programmatic dependent kernel waiting for it "
+                "%.2f us\n",
+                iters, launch_floors.empty_us, tma->shared_memory_bytes(),
+                launch_floors.empty_smem_us, launch_floors.pdl_pair_us);
+    double most = 0;
+    for (const pt::Workload& w : workloads) most = std::max<double>(most, w.Tokens());
+    const size_t floor_bytes = static_cast<size_t>(most) * pk::kTokenElems * 2 * 2;
+    CHECK_CUDA(cudaMalloc(&floor_buf, floor_bytes));
+    CHECK_CUDA(cudaMalloc(&floor_sink, 4));
+    CHECK_CUDA(cudaMemset(floor_buf, 0x5a, floor_bytes));
+  }
   std::printf("\nkernel_us: median over %d runs, clean L2 flush (memset + read 256 MiB); "
-              "dirty: memset only\n", iters);
-  std::printf("%-22s %5s %6s %9s %9s %9s %9s %8s %7s %7s %7s %9s\n", "workload", "batch", "pages",
-              "tma_us", "tma_dirty", "cpa_us", "cpa_dirty", "GB/s", "of_read", "p10", "p90",
-              "v3_us");
+              "dirty: memset only; floor: a contiguous streaming read of the same bytes; "
+              "contig: the decoder on the same batch over consecutive pages; cshared: the "
+              "decoder after a flush that asks for the largest shared-memory carveout\n", iters);
+  std::printf("%-22s %5s %6s %9s %9s %9s %9s %8s %7s %7s %7s %9s %8s %8s %8s\n", "workload",
+              "batch", "pages", "tma_us", "tma_dirty", "cpa_us", "cpa_dirty", "GB/s", "of_read",
+              "p10", "p90", "v3_us", "floor", "contig", "cshared");
   for (const pt::Workload& w : workloads) {
     DeviceInputs in;
     in.Init(w, rng());
@@ -519,12 +679,23 @@ int main(int argc, char** argv) {
     const Timing& k = use_cp ? cc : tc;
     const Timing& kd = use_cp ? cd : td;
     const double bytes = static_cast<double>(w.Tokens()) * pk::kNumKvHeads * pk::kHeadDim * 2 * 2;
+    double floor_us = 0, contig_us = 0, cshared_us = 0;
+    if (floors) {
+      floor_us = StreamFloorUs(floor_buf, bytes, floor_sink, prop.multiProcessorCount, flusher,
+                               stream, iters);
+      cshared_us = TimeDecoder(*tma, w, in, flusher, FlushMode::kCleanShared, stream, iters).median_us;
+      const pt::Workload cw = Contiguous(w);
+      DeviceInputs cin;
+      cin.Init(cw, rng());
+      contig_us = TimeDecoder(*tma, cw, cin, flusher, FlushMode::kClean, stream, iters).median_us;
+    }
     const double gbps = bytes / (k.median_us * 1e-6) / 1e9;
     const double gbps_dirty = bytes / (kd.median_us * 1e-6) / 1e9;
-    std::printf("%-22s %5d %6zu %9.1f %9.1f %9.1f %9.1f %8.0f %7.3f %7.1f %7.1f %9.1f\n",
+    std::printf("%-22s %5d %6zu %9.1f %9.1f %9.1f %9.1f %8.0f %7.3f %7.1f %7.1f %9.1f %8.1f %8.1f "
+                "%8.1f\n",
                 ShortName(w.name).c_str(), w.batch_size, w.kv_indices.size(), tc.median_us,
                 td.median_us, cc.median_us, cd.median_us, gbps, gbps / stream_gbps, k.p10_us,
-                k.p90_us, ta.median_us);
+                k.p90_us, ta.median_us, floor_us, contig_us, cshared_us);
     std::fprintf(out,
                  "{\"name\": \"%s\", \"workload\": \"%s\", \"batch_size\": %d, "
                  "\"num_kv_indices\": %zu, \"tokens\": %lld, \"kv_bytes\": %.0f, "
@@ -534,7 +705,10 @@ int main(int argc, char** argv) {
                  "\"read_gbps\": %.1f, \"read_fraction\": %.4f, \"read_gbps_dirty\": %.1f, "
                  "\"read_fraction_dirty\": %.4f, \"stream_read_gbps\": %.1f, "
                  "\"plan_host_us\": %.1f, \"iters\": %d, \"parts_per_cta\": %d, "
-                 "\"min_part_units\": %d, \"merge\": \"%s\", \"v3_split_tma_us\": %.2f}\n",
+                 "\"min_part_units\": %d, \"merge\": \"%s\", \"v3_split_tma_us\": %.2f, "
+                 "\"stream_floor_us\": %.2f, \"contig_us\": %.2f, \"clean_shared_flush_us\": %.2f, "
+                 "\"empty_kernel_us\": %.2f, \"empty_kernel_smem_us\": %.2f, "
+                 "\"pdl_pair_us\": %.2f}\n",
                  ShortName(w.name).c_str(), w.name.c_str(), w.batch_size, w.kv_indices.size(),
                  static_cast<long long>(w.Tokens()), bytes, use_cp ? "cp.async" : "tma",
                  k.median_us, k.p10_us, k.p90_us, kd.median_us, tc.median_us, td.median_us,
@@ -542,7 +716,8 @@ int main(int argc, char** argv) {
                  gbps_dirty / stream_gbps, stream_gbps, k.plan_us, iters,
                  defaults.parts_per_cta, defaults.min_part_units,
                  defaults.merge == pk::CudaDecoderTuning::Merge::kAuto ? "auto" : "fixed",
-                 ta.median_us);
+                 ta.median_us, floor_us, contig_us, cshared_us, launch_floors.empty_us,
+                 launch_floors.empty_smem_us, launch_floors.pdl_pair_us);
     std::fflush(out);
   }
   if (variants) {
@@ -579,14 +754,18 @@ int main(int argc, char** argv) {
     struct Config {
       int parts, min_units;
       char merge;
-      bool first_in_params = true;
+      bool counters = false;  // the merge kernel starts each group on its counter
+      bool late = false;      // ... and launches once the decode CTAs' first stages are under way
     };
-    const std::vector<Config> configs = {{1, 8, 'a', false}, {1, 8, 'a'}, {1, 8, 'i', false},
-                                         {1, 8, 'i'}, {1, 8, 'k', false}, {1, 8, 'k'}};
+    const std::vector<Config> configs = {
+        {1, 8, 'a'},       {1, 8, 'i'},       {1, 8, 'k'},       {1, 8, 'a', true},
+        {1, 8, 'k', true}, {1, 8, 'a', false, true}, {1, 8, 'k', false, true},
+        {1, 8, 'a', true, true}, {1, 8, 'k', true, true}};
     std::vector<std::unique_ptr<pk::CudaDecoder>> ds;
     std::printf("\nsweep (TMA, clean flush, median us of 100 runs): parts_per_cta x "
-                "min_part_units, merge i(n kernel) / k(ernel, PDL) / n(o PDL) / a(uto), p: first items "
-                "in the launch parameters\n");
+                "min_part_units, merge i(n kernel) / k(ernel, PDL) / n(o PDL) / a(uto), c: the merge "
+                "kernel starts each group on its counter, l: it launches once the decode CTAs' "
+                "first stages are under way\n");
     std::printf("%-22s", "workload");
     for (const Config& c : configs) {
       pk::CudaDecoderOptions o;
@@ -595,10 +774,12 @@ int main(int argc, char** argv) {
       using Merge = pk::CudaDecoderTuning::Merge;
       o.tuning.merge = c.merge == 'i' ? Merge::kInKernel : c.merge == 'a' ? Merge::kAuto : Merge::kKernel;
       o.tuning.programmatic_launch = c.merge != 'n';
-      o.tuning.first_items_in_params = c.first_in_params;
+      if (c.counters) o.tuning.merge_wait = pk::CudaDecoderTuning::MergeWait::kCounters;
+      if (c.late) o.tuning.trigger = pk::CudaDecoderTuning::DependentsTrigger::kFirstStage;
       ds.emplace_back();
       CheckStatus(pk::CudaDecoder::Create(o, &ds.back()), "Create (sweep)");
-      std::printf(" %3dx%-2d%c%c", c.parts, c.min_units, c.merge, c.first_in_params ? 'p' : ' ');
+      std::printf(" %2dx%d%c%c%c", c.parts, c.min_units, c.merge, c.counters ? 'c' : ' ',
+                  c.late ? 'l' : ' ');
     }
     std::printf("\n");
     for (const pt::Workload& w : workloads) {
@@ -633,19 +814,35 @@ int main(int argc, char** argv) {
     }
   }
   if (variants || timelines) {
-    std::printf("\ntimelines: default, then cp.async, then the v3 split and merge (TMA)\n");
+    // The default is printed first and last: the first timeline of a workload has shown slow
+    // streaming whatever the decoder (NOTES.md, v5).
+    pk::CudaDecoderOptions o;
+    o.tuning.trigger = pk::CudaDecoderTuning::DependentsTrigger::kFirstStage;
+    std::unique_ptr<pk::CudaDecoder> late, counters;
+    CheckStatus(pk::CudaDecoder::Create(o, &late), "Create (late trigger)");
+    o.tuning.merge = pk::CudaDecoderTuning::Merge::kKernel;
+    o.tuning.merge_wait = pk::CudaDecoderTuning::MergeWait::kCounters;
+    CheckStatus(pk::CudaDecoder::Create(o, &counters), "Create (merge kernel on counters, late)");
+    std::printf("\ntimelines: default, late trigger, merge kernel on counters with a late trigger, "
+                "cp.async, the v3 split and merge (TMA), default again\n");
     for (const pt::Workload& w : workloads) {
       const std::string sn = ShortName(w.name);
-      if (sn != "b1_kv361" && sn != "b2_kv130" && sn != "b16_kv993" && sn != "b16_kv16593" &&
-          sn != "b128_kv8761") continue;
+      if (sn != "b1_kv361" && sn != "b2_kv130" && sn != "b16_kv993" && sn != "b32_kv1954" &&
+          sn != "b16_kv16593" && sn != "b128_kv8761") continue;
       DeviceInputs in;
       in.Init(w, rng());
-      PrintTimeline(*tma, w, in, flusher, stream);
-      if (cp) PrintTimeline(*cp, w, in, flusher, stream);
-      PrintTimeline(*alt, w, in, flusher, stream);
+      const bool detail = sn == "b16_kv993" || sn == "b32_kv1954" || sn == "b128_kv8761";
+      PrintTimeline(*tma, "default", w, in, flusher, stream, false);
+      PrintTimeline(*late, "late", w, in, flusher, stream, detail);
+      PrintTimeline(*counters, "k+counters", w, in, flusher, stream, detail);
+      if (cp) PrintTimeline(*cp, "cp.async", w, in, flusher, stream, false);
+      PrintTimeline(*alt, "v3", w, in, flusher, stream, false);
+      PrintTimeline(*tma, "default", w, in, flusher, stream, detail);
     }
   }
   std::fclose(out);
+  cudaFree(floor_buf);
+  cudaFree(floor_sink);
   CHECK_CUDA(cudaStreamDestroy(stream));
   return 0;
 }

@@ -41,7 +41,7 @@ struct CudaDecoder::Impl {
   void* dev_table = nullptr;
   float* part_o = nullptr;
   float* part_lse = nullptr;
-  int32_t* counters = nullptr;
+  int32_t* counters = nullptr;  // [merge counters][queue, done][merged units]
   cudaEvent_t copy_done = nullptr;
   bool copy_pending = false;
   bool planned = false;
@@ -115,6 +115,8 @@ void CudaDecoder::SetTimelineForBenchmark(uint64_t* device_timeline) {
 }
 
 int32_t CudaDecoder::num_ctas() const { return impl_->capacity.num_ctas; }
+int32_t CudaDecoder::threads_per_cta() const { return detail::kThreads; }
+size_t CudaDecoder::shared_memory_bytes() const { return detail::kSmemBytes; }
 CudaLoadPath CudaDecoder::load_path() const { return impl_->path; }
 int32_t CudaDecoder::max_batch_size() const { return impl_->capacity.max_batch_size; }
 
@@ -212,8 +214,9 @@ KernelStatus CudaDecoder::Create(const Options& options, std::unique_ptr<CudaDec
   e = cudaMalloc(reinterpret_cast<void**>(&impl->part_lse),
                  cap.MaxSlots() * kGroupSize * sizeof(float));
   if (e != cudaSuccess) return exhausted("cudaMalloc (partial lse)", e);
-  // The merge counters, then the part queue's two counters.
-  const size_t counter_bytes = (cap.MaxGroups() + 2) * sizeof(int32_t);
+  // The merge counters, the part queue's two counters, the merge kernel's per-group counts of
+  // merged units.
+  const size_t counter_bytes = (2 * cap.MaxGroups() + 2) * sizeof(int32_t);
   e = cudaMalloc(reinterpret_cast<void**>(&impl->counters), counter_bytes);
   if (e != cudaSuccess) return exhausted("cudaMalloc (merge counters)", e);
   PA_RETURN_IF_CUDA_ERROR(cudaMemset(impl->counters, 0, counter_bytes),
@@ -311,7 +314,12 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, CudaStream stream) {
   const bool merge_kernel =
       mode == Merge::kKernel ||
       (mode == Merge::kAuto && 2 * int64_t{d.plan.num_segments} <= d.capacity.num_ctas);
-  p.merge_in_kernel = merge_kernel ? 0 : 1;
+  const bool on_signal = d.options.tuning.merge_wait == CudaDecoderTuning::MergeWait::kCounters;
+  p.merge_mode = !merge_kernel ? detail::kMergeInKernel
+                 : on_signal   ? detail::kMergeOnSignal
+                               : detail::kMergeAfterGrid;
+  p.trigger_at_first_stage =
+      d.options.tuning.trigger == CudaDecoderTuning::DependentsTrigger::kFirstStage ? 1 : 0;
   p.timeline = reinterpret_cast<unsigned long long*>(d.timeline);
   if (d.options.tuning.first_items_in_params) {
     p.first_from_params = 1;
@@ -337,6 +345,12 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, CudaStream stream) {
   mp.part_lse = d.part_lse;
   mp.output = args.output;
   mp.lse = args.lse;
+  mp.counters = d.counters;
+  mp.merged = d.counters + d.capacity.MaxGroups() + 2;
+  mp.on_signal = on_signal ? 1 : 0;
+  mp.end_stamp = d.timeline == nullptr ? nullptr
+                 : reinterpret_cast<unsigned long long*>(d.timeline) +
+                       detail::kTimelineSlots * d.capacity.num_ctas;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(d.capacity.num_ctas);
   config.blockDim = dim3(detail::kMergeThreads);

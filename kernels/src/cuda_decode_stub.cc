@@ -22,6 +22,8 @@ KernelStatus CudaDecoder::Plan(const int32_t*, const int32_t*, int32_t, CudaStre
 KernelStatus CudaDecoder::Run(const DecodeArgs&, CudaStream) { return NoCuda(); }
 void CudaDecoder::SetTimelineForBenchmark(uint64_t*) {}
 int32_t CudaDecoder::num_ctas() const { return 0; }
+int32_t CudaDecoder::threads_per_cta() const { return 0; }
+size_t CudaDecoder::shared_memory_bytes() const { return 0; }
 CudaLoadPath CudaDecoder::load_path() const { return CudaLoadPath::kTma; }
 int32_t CudaDecoder::max_batch_size() const { return 0; }
 

@@ -42,6 +42,13 @@ inline constexpr int kMergeRound = 3;  // pieces per warp whose loads a merge ro
 inline constexpr uint32_t kFullArrivalsTma = 1;
 inline constexpr uint32_t kFullArrivalsCpAsync = 33;
 
+// Who merges the pieces of split (seq, head)s (KernelParams::merge_mode).
+inline constexpr int32_t kMergeInKernel = 0;  // the decode kernel's CTA that finishes the last piece
+inline constexpr int32_t kMergeAfterGrid = 1;  // MergeKernel, once the whole decode grid is done
+// MergeKernel, each group as soon as its pieces are written: the decode kernel counts them in
+// counters[group] (a release add after the piece's partial stores) and MergeKernel acquires it.
+inline constexpr int32_t kMergeOnSignal = 2;
+
 // What a stage holds, written by the producer before the stage's full barrier completes.
 inline constexpr int32_t kTagEmpty = -1;  // no data: an empty sequence's (seq, head)
 inline constexpr int32_t kTagEnd = -2;    // no data: this CTA has no more work
@@ -74,7 +81,10 @@ struct KernelParams {
   int32_t* done;               // CTAs that found the queue empty; zero between launches
   float scale_log2;            // sm_scale * log2(e)
   int32_t skip_attention;      // benchmarking only: move the pages, skip the math
-  int32_t merge_in_kernel;     // 1: the last piece's CTA merges a group; 0: MergeKernel does
+  int32_t merge_mode;          // kMergeInKernel, kMergeAfterGrid or kMergeOnSignal
+  // 0: every thread lets the merge kernel launch (griddepcontrol.launch_dependents) at entry;
+  // 1: once its first stage is under way (the producer: issued; the consumers: landed).
+  int32_t trigger_at_first_stage;
   unsigned long long* timeline;
   // The plan's header and each CTA's first item, copied into the launch parameters (when
   // first_from_params): a CTA starts with its page ids' load instead of a table load first.
@@ -93,6 +103,7 @@ struct alignas(1024) SharedStorage {
   uint64_t full[kStages];
   uint64_t empty[kStages];
   int32_t is_last;
+  uint32_t merges;  // benchmarking only (timeline): in-kernel merges done by this CTA
 };
 inline constexpr size_t kSmemBytes = sizeof(SharedStorage) + 1024;  // + alignment slack
 static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a Hopper block may opt in to");
@@ -127,11 +138,16 @@ __device__ __forceinline__ uint32_t SwizzledOffset(int token, int chunk) {
 // ---------------------------------------------------------------------------------------------
 // Producer
 
-// The producer's position in the ring.
+// The producer's position in the ring. Advance() follows the issue of each stage.
 struct Ring {
   int stage = 0;
   uint32_t phase = 0;
+  bool trigger = false;  // KernelParams::trigger_at_first_stage, until the first stage is issued
   __device__ void Advance() {
+    if (trigger) {
+      ptx::LaunchDependents();
+      trigger = false;
+    }
     if (++stage == kStages) {
       stage = 0;
       phase ^= 1;
@@ -242,6 +258,7 @@ __device__ void Produce(const KernelParams& p, SharedStorage& s, WorkItem head, 
   const int num_ctas = static_cast<int>(gridDim.x);
   const bool queued = num_parts > num_ctas;
   Ring ring;
+  ring.trigger = p.trigger_at_first_stage != 0;
   for (;;) {
     ProducePart<kTma>(p, s, ring, head, lane);
     if (!queued) break;
@@ -498,10 +515,14 @@ __device__ void Finalize(const KernelParams& p, SharedStorage& s, const StageTag
 #pragma unroll
     for (int h = 0; h < kGroupSize; ++h) p.part_lse[it.slot * kGroupSize + h] = lse2[h];
   }
-  if (!p.merge_in_kernel) return;  // MergeKernel merges once this grid is complete
-  // The barrier orders every thread's partial stores before thread 0's release fence
-  // (cumulativity), so one fence publishes them all before the counter moves.
+  if (p.merge_mode == kMergeAfterGrid) return;
+  // The barrier orders every thread's partial stores before thread 0's release (cumulativity),
+  // so one release publishes them all before the counter moves.
   ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
+  if (p.merge_mode == kMergeOnSignal) {
+    if (tid == 0) ptx::RedAddRelease(&p.counters[it.group], 1);
+    return;
+  }
   if (tid == 0) {
     const int pieces = __ldg(&p.groups[it.group].num_pieces);
     __threadfence();
@@ -515,6 +536,7 @@ __device__ void Finalize(const KernelParams& p, SharedStorage& s, const StageTag
   }
   ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
   if (s.is_last) {
+    if (p.timeline != nullptr && tid == 0) ++s.merges;
     const int2 grp = __ldg(reinterpret_cast<const int2*>(p.groups + it.group));
     Merge(p, s, MergeGroup{grp.x, grp.y}, row0, warp, lane);
   }
@@ -526,10 +548,15 @@ __device__ __forceinline__ unsigned long long GlobalTimer() {
   return t;
 }
 
-// Benchmarking only: stamp `slot` of this CTA's timeline with `t`.
+// Benchmarking only: stamp `slot` of this CTA's timeline with `t`. The timeline is
+// [gridDim.x][kTimelineSlots] and then one more element, the latest exit of a MergeKernel CTA.
+// Per CTA: %globaltimer at entry, first page landed, last page consumed, exit; then
+// smid << 32 | items finished; in-kernel merges << 32 | pages consumed; nanoseconds the
+// consumers spent finishing items (merges included); nanoseconds they waited for stages.
+inline constexpr int kTimelineSlots = 8;
 __device__ __forceinline__ void Stamp(const KernelParams& p, int tid, int slot,
                                       unsigned long long t) {
-  if (p.timeline != nullptr && tid == 0) p.timeline[blockIdx.x * 4 + slot] = t;
+  if (p.timeline != nullptr && tid == 0) p.timeline[blockIdx.x * kTimelineSlots + slot] = t;
 }
 __device__ __forceinline__ unsigned long long StampTime(const KernelParams& p) {
   return p.timeline != nullptr ? GlobalTimer() : 0ull;
@@ -549,8 +576,18 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, int warp, int l
   float m = -INFINITY;
   float l = 0.0f;
   uint32_t qa[8][2];
+  bool trigger = p.trigger_at_first_stage != 0;
+  const bool timed = p.timeline != nullptr;
+  unsigned long long items = 0, pages = 0, finish_ns = 0, wait_ns = 0;
+  if (timed && tid == 0) s.merges = 0;
   for (;;) {
+    const unsigned long long wait_from = timed ? GlobalTimer() : 0ull;
     ptx::MbarWait(ptx::SmemAddr(&s.full[stage]), phase);
+    if (timed) wait_ns += GlobalTimer() - wait_from;
+    if (trigger) {
+      ptx::LaunchDependents();
+      trigger = false;
+    }
     const StageTag it = s.tag[stage];
     if (it.page == kTagEnd) break;
     const int seq = it.seq_head / kNumKvHeads;
@@ -563,6 +600,7 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, int warp, int l
         Stamp(p, tid, 1, StampTime(p));
         first_page = false;
       }
+      ++pages;
       if (it.page == 0) {
 #pragma unroll
         for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = 0.0f;
@@ -595,10 +633,22 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, int warp, int l
     if (it.page >= 0 && it.page == it.num_pages - 1) {
       last_page_time = StampTime(p);
       Finalize(p, s, it, row0, warp, lane, o, m, l);
+      if (timed) {
+        ++items;
+        finish_ns += GlobalTimer() - last_page_time;
+      }
     }
   }
   Stamp(p, tid, 2, last_page_time);
   Stamp(p, tid, 3, StampTime(p));
+  if (timed) {
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    Stamp(p, tid, 4, (static_cast<unsigned long long>(smid) << 32) | items);
+    Stamp(p, tid, 5, (static_cast<unsigned long long>(s.merges) << 32) | pages);
+    Stamp(p, tid, 6, finish_ns);
+    Stamp(p, tid, 7, wait_ns);
+  }
 }
 
 template <bool kTma>
@@ -608,7 +658,9 @@ __global__ void __launch_bounds__(kThreads, 1) PagedDecodeKernel(const __grid_co
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  ptx::LaunchDependents();  // MergeKernel's CTAs may take their place and wait for this grid
+  // MergeKernel's CTAs may take their place and wait: now, or once this CTA's first stage is
+  // under way (the producer and the consumers trigger then).
+  if (!p.trigger_at_first_stage) ptx::LaunchDependents();
   const WorkItem head = p.first_from_params ? p.first[blockIdx.x] : LoadItem(p.items + blockIdx.x);
   const int num_parts = p.first_from_params ? p.num_parts : __ldg(&p.header->num_parts);
   // A CTA whose own part is empty has nothing to do unless the plan has a queue of parts (then
@@ -636,10 +688,15 @@ __global__ void __launch_bounds__(kThreads, 1) PagedDecodeKernel(const __grid_co
 
 // ---------------------------------------------------------------------------------------------
 // The merge of split (seq, head)s as a kernel of its own, launched right after the decode
-// kernel (programmatic dependent launch: its CTAs are resident and waiting when the decode
-// grid completes). A unit is one query head of one merge group; a CTA takes units blockIdx.x,
+// kernel (programmatic dependent launch: its CTAs are resident and waiting while the decode
+// grid runs). A unit is one query head of one merge group; a CTA takes units blockIdx.x,
 // + gridDim.x, ...; warp w folds pieces w, w+4, ... (kMergeUnroll per round, loads in flight
 // together), lane holds dims 4*lane..4*lane+3; the 4 warps combine through shared memory.
+// It starts merging either once the decode grid is complete (griddepcontrol.wait), or, with
+// on_signal, each group as soon as counters[group] shows all its pieces written (the merges
+// then overlap the rest of the decode grid); then the last of a group's 6 units resets its two
+// counters for the next launch, and the kernel still waits for the decode grid before it ends,
+// so that work after it on the stream may rely on every output.
 inline constexpr int kMergeThreads = 128;
 inline constexpr int kMergeUnroll = 12;
 
@@ -650,6 +707,10 @@ struct MergeParams {
   const float* part_lse;
   uint16_t* output;
   float* lse;
+  int32_t* counters;  // on_signal: pieces written per group; zero between launches
+  int32_t* merged;    // on_signal: units merged per group; zero between launches
+  int32_t on_signal;
+  unsigned long long* end_stamp;  // benchmarking only: the latest CTA exit (%globaltimer), or null
 };
 
 __global__ void __launch_bounds__(kMergeThreads) MergeKernel(const __grid_constant__ MergeParams p) {
@@ -663,10 +724,18 @@ __global__ void __launch_bounds__(kMergeThreads) MergeKernel(const __grid_consta
   int unit = blockIdx.x;
   int4 grp = unit < num_units ? __ldg(reinterpret_cast<const int4*>(p.groups + unit / kGroupSize))
                               : make_int4(0, 0, 0, 0);
-  ptx::WaitForPrerequisite();
+  if (!p.on_signal) ptx::WaitForPrerequisite();
   for (; unit < num_units; unit += gridDim.x) {
+    const int g = unit / kGroupSize;
     if (unit >= static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x)) {
-      grp = __ldg(reinterpret_cast<const int4*>(p.groups + unit / kGroupSize));
+      grp = __ldg(reinterpret_cast<const int4*>(p.groups + g));
+    }
+    if (p.on_signal) {
+      // Thread 0 acquires the count; the barrier orders every thread's loads after it.
+      if (threadIdx.x == 0) {
+        while (ptx::LoadAcquire(p.counters + g) < grp.y) __nanosleep(64);
+      }
+      __syncthreads();
     }
     const int h = unit % kGroupSize;
     const int sb = grp.x;
@@ -718,7 +787,13 @@ __global__ void __launch_bounds__(kMergeThreads) MergeKernel(const __grid_consta
     p.output[row * kHeadDim + t] = ToBf16(out / sum);
     if (t == 0) p.lse[row] = mx + log2f(sum);
     __syncthreads();
+    if (p.on_signal && t == 0 && atomicAdd(p.merged + g, 1) == kGroupSize - 1) {
+      p.counters[g] = 0;  // every unit of the group is past its wait
+      p.merged[g] = 0;
+    }
   }
+  if (p.on_signal) ptx::WaitForPrerequisite();
+  if (p.end_stamp != nullptr && threadIdx.x == 0) atomicMax(p.end_stamp, GlobalTimer());
 }
 
 }  // namespace pagedattn::kernels::detail

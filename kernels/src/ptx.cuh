@@ -133,6 +133,17 @@ __device__ __forceinline__ void WaitForPrerequisite() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
+// A counter bumped with release semantics at gpu scope (the writer's earlier stores become
+// visible to whoever acquires the new value), and its acquire load.
+__device__ __forceinline__ void RedAddRelease(int32_t* counter, int32_t v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(counter), "r"(v) : "memory");
+}
+__device__ __forceinline__ int32_t LoadAcquire(const int32_t* counter) {
+  int32_t v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ void NamedBarrierSync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }

@@ -22,6 +22,7 @@ namespace {
 
 class CudaDecodeTest : public ::testing::Test {
  protected:
+  static constexpr int kNumDecoders = 7;
   static void SetUpTestSuite() {
     if (!CudaDecodeDeviceAvailable()) return;
     // The default TMA and cp.async decoders (one part per CTA; merges chosen per batch); the
@@ -29,19 +30,25 @@ class CudaDecodeTest : public ::testing::Test {
     // table instead of the launch parameters; and queues of up to 16 parts per CTA of
     // any size, so that even small batches are cut into many parts handed out at run time,
     // with every merge inside the decode kernel, or every merge by the merge kernel launched
-    // without PDL.
-    std::vector<CudaDecoderOptions> configs(5);
+    // without PDL; and the merge kernel starting each group on its counter, while the decode
+    // grid still runs: chosen per batch as by default (so that one decoder switches between
+    // that and merges inside the decode kernel, which share the counters) and launched once
+    // the decode CTAs' first stages are under way, and for every merge with 16 parts per CTA.
+    std::vector<CudaDecoderOptions> configs(kNumDecoders);
     configs[1].load_path = CudaLoadPath::kCpAsync;
     using Merge = CudaDecoderTuning::Merge;
     configs[2].tuning.merge = Merge::kInKernel;
     configs[2].tuning.first_items_in_params = false;  // first items read from the plan table
-    for (int i : {3, 4}) {
+    for (int i : {3, 4, 6}) {
       configs[i].tuning.parts_per_cta = kMaxPartsPerCta;
       configs[i].tuning.min_part_units = 1;
     }
     configs[3].tuning.merge = Merge::kInKernel;
     configs[4].tuning.merge = Merge::kKernel;
     configs[4].tuning.programmatic_launch = false;
+    for (int i : {5, 6}) configs[i].tuning.merge_wait = CudaDecoderTuning::MergeWait::kCounters;
+    configs[5].tuning.trigger = CudaDecoderTuning::DependentsTrigger::kFirstStage;
+    configs[6].tuning.merge = Merge::kKernel;
     for (const CudaDecoderOptions& options : configs) {
       std::unique_ptr<CudaDecoder> d;
       const KernelStatus st = CudaDecoder::Create(options, &d);
@@ -50,14 +57,15 @@ class CudaDecodeTest : public ::testing::Test {
     }
   }
   static const char* Label(size_t i) {
-    static const char* const kLabels[] = {"tma", "cp.async", "tma-inmerge", "tma-16parts-inmerge",
-                                          "tma-16parts-mergekernel-nopdl"};
+    static const char* const kLabels[kNumDecoders] = {
+        "tma", "cp.async", "tma-inmerge", "tma-16parts-inmerge", "tma-16parts-mergekernel-nopdl",
+        "tma-counters-late", "tma-16parts-mergekernel-counters"};
     return kLabels[i];
   }
   static void TearDownTestSuite() { decoders_.clear(); }
   void SetUp() override {
     if (!CudaDecodeDeviceAvailable()) GTEST_SKIP() << "no CUDA device of compute capability 9.0";
-    ASSERT_EQ(decoders_.size(), 5u);
+    ASSERT_EQ(decoders_.size(), static_cast<size_t>(kNumDecoders));
     ASSERT_EQ(decoders_[0]->load_path(), CudaLoadPath::kTma);
   }
 

@@ -25,6 +25,7 @@
 // args.kv_indptr and args.kv_last_page_len are not read by the CUDA decoder.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 
@@ -65,6 +66,19 @@ struct CudaDecoderTuning {
   enum class Merge { kAuto, kInKernel, kKernel };
   Merge merge = Merge::kAuto;
   bool programmatic_launch = true;
+  // When the merge kernel starts a group (kernels/bench/NOTES.md, v7):
+  //   kGrid:     once the whole decode grid is complete (griddepcontrol.wait);
+  //   kCounters: as soon as that group's pieces are written: the decode kernel counts them in a
+  //              per-group counter (a release add) that the merge kernel's CTAs acquire, so the
+  //              merges overlap the rest of the decode grid.
+  enum class MergeWait { kGrid, kCounters };
+  MergeWait merge_wait = MergeWait::kGrid;
+  // When the decode kernel lets the merge kernel's CTAs launch (programmatic launch only):
+  //   kEntry:      as each decode CTA starts;
+  //   kFirstStage: once each decode CTA's first K/V stage is under way, so that the merge
+  //                kernel's launch stays clear of the decode kernel's first loads.
+  enum class DependentsTrigger { kEntry, kFirstStage };
+  DependentsTrigger trigger = DependentsTrigger::kEntry;
   // The plan's header and every CTA's first work item travel in the launch parameters (8 KiB;
   // from the pinned plan buffer, at Run), so a CTA's first load is its page ids, not a table.
   bool first_items_in_params = true;
@@ -107,11 +121,16 @@ class CudaDecoder {
   // plan or the requirements above; Internal when the launch fails.
   KernelStatus Run(const DecodeArgs& args, CudaStream stream);
 
-  // Benchmarking aid: when non-null, each later Run has every CTA write 4 %globaltimer stamps
-  // (entry, first page landed, last page consumed, exit) to device memory [num_ctas][4].
+  // Benchmarking aid: when non-null, each later Run has every CTA write 8 figures to device
+  // memory [num_ctas][8]: %globaltimer at entry, first page landed, last page consumed, exit;
+  // smid << 32 | items finished; in-kernel merges << 32 | pages consumed; nanoseconds spent
+  // finishing items; nanoseconds waiting for pages. The merge kernel, when it runs, raises the
+  // element after them to its CTAs' latest exit (the caller zeroes it).
   void SetTimelineForBenchmark(uint64_t* device_timeline);
 
   int32_t num_ctas() const;
+  int32_t threads_per_cta() const;     // of the decode kernel
+  size_t shared_memory_bytes() const;  // dynamic shared memory per CTA of the decode kernel
   CudaLoadPath load_path() const;  // kCpAsync when TMA was asked for but is unavailable
   int32_t max_batch_size() const;
 
