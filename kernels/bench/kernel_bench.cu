@@ -622,7 +622,10 @@ int main(int argc, char** argv) {
               tma->load_path() == pk::CudaLoadPath::kTma ? "tma" : "cp.async (tma unavailable)",
               defaults.parts_per_cta, defaults.min_part_units,
               defaults.merge == pk::CudaDecoderTuning::Merge::kAuto ? "auto"
-              : defaults.merge == pk::CudaDecoderTuning::Merge::kKernel ? "by a kernel"
+              : defaults.merge == pk::CudaDecoderTuning::Merge::kKernel
+                  ? (defaults.merge_wait == pk::CudaDecoderTuning::MergeWait::kCounters
+                         ? "by a kernel, on counters"
+                         : "by a kernel, after the grid")
                                                                           : "in the decode kernel");
 
   std::mt19937 rng(std::random_device{}());
@@ -715,7 +718,11 @@ int main(int argc, char** argv) {
                  cc.median_us, cd.median_us, gbps, gbps / stream_gbps, gbps_dirty,
                  gbps_dirty / stream_gbps, stream_gbps, k.plan_us, iters,
                  defaults.parts_per_cta, defaults.min_part_units,
-                 defaults.merge == pk::CudaDecoderTuning::Merge::kAuto ? "auto" : "fixed",
+                 defaults.merge == pk::CudaDecoderTuning::Merge::kAuto     ? "auto"
+                 : defaults.merge == pk::CudaDecoderTuning::Merge::kInKernel ? "in-kernel"
+                 : defaults.merge_wait == pk::CudaDecoderTuning::MergeWait::kCounters
+                     ? "kernel-counters"
+                     : "kernel-grid",
                  ta.median_us, floor_us, contig_us, cshared_us, launch_floors.empty_us,
                  launch_floors.empty_smem_us, launch_floors.pdl_pair_us);
     std::fflush(out);
@@ -749,37 +756,34 @@ int main(int argc, char** argv) {
     }
   }
   if (sweep) {
-    // Parts per CTA x minimum part size x merge (i: in the decode kernel, k: merge kernel,
-    // n: merge kernel without programmatic launch), TMA, clean flush: median of 100 runs each.
+    // Decoder configurations side by side (one part per CTA; merges i: in the decode kernel,
+    // k: merge kernel, a: auto; and the v7 options), TMA, clean flush: median of 100 runs each.
     struct Config {
-      int parts, min_units;
       char merge;
-      bool counters = false;  // the merge kernel starts each group on its counter
-      bool late = false;      // ... and launches once the decode CTAs' first stages are under way
+      bool counters;     // c: the merge kernel starts each group on its counter (else: grid)
+      bool shared_tail;  // s: a last page's unused V rows zeroed in shared memory (else: registers)
     };
-    const std::vector<Config> configs = {
-        {1, 8, 'a'},       {1, 8, 'i'},       {1, 8, 'k'},       {1, 8, 'a', true},
-        {1, 8, 'k', true}, {1, 8, 'a', false, true}, {1, 8, 'k', false, true},
-        {1, 8, 'a', true, true}, {1, 8, 'k', true, true}};
+    const std::vector<Config> configs = {{'a', false, true}, {'a', false, false}, {'k', true, true},
+                                         {'k', true, false}, {'i', false, false}};
     std::vector<std::unique_ptr<pk::CudaDecoder>> ds;
-    std::printf("\nsweep (TMA, clean flush, median us of 100 runs): parts_per_cta x "
-                "min_part_units, merge i(n kernel) / k(ernel, PDL) / n(o PDL) / a(uto), c: the merge "
-                "kernel starts each group on its counter, l: it launches once the decode CTAs' "
-                "first stages are under way\n");
+    std::printf("\nsweep (TMA, clean flush, median us of 100 runs): merge i(n kernel) / k(ernel, "
+                "PDL) / a(uto); c: the merge kernel starts each group on its counter (else when "
+                "the grid is done); s: a last page's unused V rows zeroed in shared memory (else "
+                "in registers). as = v6's default, kc = v7's\n");
     std::printf("%-22s", "workload");
     for (const Config& c : configs) {
       pk::CudaDecoderOptions o;
-      o.tuning.parts_per_cta = c.parts;
-      o.tuning.min_part_units = c.min_units;
       using Merge = pk::CudaDecoderTuning::Merge;
       o.tuning.merge = c.merge == 'i' ? Merge::kInKernel : c.merge == 'a' ? Merge::kAuto : Merge::kKernel;
-      o.tuning.programmatic_launch = c.merge != 'n';
-      if (c.counters) o.tuning.merge_wait = pk::CudaDecoderTuning::MergeWait::kCounters;
-      if (c.late) o.tuning.trigger = pk::CudaDecoderTuning::DependentsTrigger::kFirstStage;
+      o.tuning.merge_wait = c.counters ? pk::CudaDecoderTuning::MergeWait::kCounters
+                                       : pk::CudaDecoderTuning::MergeWait::kGrid;
+      o.tuning.zero_tail_in_shared = c.shared_tail;
       ds.emplace_back();
       CheckStatus(pk::CudaDecoder::Create(o, &ds.back()), "Create (sweep)");
-      std::printf(" %2dx%d%c%c%c", c.parts, c.min_units, c.merge, c.counters ? 'c' : ' ',
-                  c.late ? 'l' : ' ');
+      char label[8] = {};
+      std::snprintf(label, sizeof label, "%c%s%s", c.merge, c.counters ? "c" : "",
+                    c.shared_tail ? "s" : "");
+      std::printf(" %9s", label);
     }
     std::printf("\n");
     for (const pt::Workload& w : workloads) {
@@ -817,14 +821,13 @@ int main(int argc, char** argv) {
     // The default is printed first and last: the first timeline of a workload has shown slow
     // streaming whatever the decoder (NOTES.md, v5).
     pk::CudaDecoderOptions o;
-    o.tuning.trigger = pk::CudaDecoderTuning::DependentsTrigger::kFirstStage;
-    std::unique_ptr<pk::CudaDecoder> late, counters;
-    CheckStatus(pk::CudaDecoder::Create(o, &late), "Create (late trigger)");
-    o.tuning.merge = pk::CudaDecoderTuning::Merge::kKernel;
-    o.tuning.merge_wait = pk::CudaDecoderTuning::MergeWait::kCounters;
-    CheckStatus(pk::CudaDecoder::Create(o, &counters), "Create (merge kernel on counters, late)");
-    std::printf("\ntimelines: default, late trigger, merge kernel on counters with a late trigger, "
-                "cp.async, the v3 split and merge (TMA), default again\n");
+    o.tuning.merge = pk::CudaDecoderTuning::Merge::kAuto;
+    o.tuning.merge_wait = pk::CudaDecoderTuning::MergeWait::kGrid;
+    o.tuning.zero_tail_in_shared = true;
+    std::unique_ptr<pk::CudaDecoder> v6;
+    CheckStatus(pk::CudaDecoder::Create(o, &v6), "Create (v6 default)");
+    std::printf("\ntimelines: default; v6's default; cp.async; the v3 split and merge (TMA); "
+                "default again\n");
     for (const pt::Workload& w : workloads) {
       const std::string sn = ShortName(w.name);
       if (sn != "b1_kv361" && sn != "b2_kv130" && sn != "b16_kv993" && sn != "b32_kv1954" &&
@@ -833,8 +836,7 @@ int main(int argc, char** argv) {
       in.Init(w, rng());
       const bool detail = sn == "b16_kv993" || sn == "b32_kv1954" || sn == "b128_kv8761";
       PrintTimeline(*tma, "default", w, in, flusher, stream, false);
-      PrintTimeline(*late, "late", w, in, flusher, stream, detail);
-      PrintTimeline(*counters, "k+counters", w, in, flusher, stream, detail);
+      PrintTimeline(*v6, "v6", w, in, flusher, stream, detail);
       if (cp) PrintTimeline(*cp, "cp.async", w, in, flusher, stream, false);
       PrintTimeline(*alt, "v3", w, in, flusher, stream, false);
       PrintTimeline(*tma, "default", w, in, flusher, stream, detail);

@@ -318,8 +318,7 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, CudaStream stream) {
   p.merge_mode = !merge_kernel ? detail::kMergeInKernel
                  : on_signal   ? detail::kMergeOnSignal
                                : detail::kMergeAfterGrid;
-  p.trigger_at_first_stage =
-      d.options.tuning.trigger == CudaDecoderTuning::DependentsTrigger::kFirstStage ? 1 : 0;
+  p.zero_tail_in_shared = d.options.tuning.zero_tail_in_shared ? 1 : 0;
   p.timeline = reinterpret_cast<unsigned long long*>(d.timeline);
   if (d.options.tuning.first_items_in_params) {
     p.first_from_params = 1;

@@ -82,9 +82,10 @@ struct KernelParams {
   float scale_log2;            // sm_scale * log2(e)
   int32_t skip_attention;      // benchmarking only: move the pages, skip the math
   int32_t merge_mode;          // kMergeInKernel, kMergeAfterGrid or kMergeOnSignal
-  // 0: every thread lets the merge kernel launch (griddepcontrol.launch_dependents) at entry;
-  // 1: once its first stage is under way (the producer: issued; the consumers: landed).
-  int32_t trigger_at_first_stage;
+  // 1: the V rows of a last page's unused tokens are zeroed in shared memory (then a proxy
+  // fence before the stage is released); 0: the V fragments of those tokens are zeroed in
+  // registers (no shared-memory write, no fence).
+  int32_t zero_tail_in_shared;
   unsigned long long* timeline;
   // The plan's header and each CTA's first item, copied into the launch parameters (when
   // first_from_params): a CTA starts with its page ids' load instead of a table load first.
@@ -138,16 +139,11 @@ __device__ __forceinline__ uint32_t SwizzledOffset(int token, int chunk) {
 // ---------------------------------------------------------------------------------------------
 // Producer
 
-// The producer's position in the ring. Advance() follows the issue of each stage.
+// The producer's position in the ring.
 struct Ring {
   int stage = 0;
   uint32_t phase = 0;
-  bool trigger = false;  // KernelParams::trigger_at_first_stage, until the first stage is issued
   __device__ void Advance() {
-    if (trigger) {
-      ptx::LaunchDependents();
-      trigger = false;
-    }
     if (++stage == kStages) {
       stage = 0;
       phase ^= 1;
@@ -180,7 +176,65 @@ __device__ void ProduceTagOnly(SharedStorage& s, Ring& ring, int32_t tag, const 
   ring.Advance();
 }
 
-// The items of one part (head and its rest), page by page.
+// Lane j's share of the page ids of chunk [base, base + 32) of an item: the id of page base + j.
+__device__ __forceinline__ int LoadPageIds(const KernelParams& p, const WorkItem& it, int base,
+                                           int lane) {
+  return lane < it.num_pages - base ? __ldg(p.kv_indices + it.page_begin + base + lane) : 0;
+}
+
+// Waits for a free stage, tags it and issues the copy of page `page` (id) of item `it` into it.
+template <bool kTma>
+__device__ __forceinline__ void IssueStage(const KernelParams& p, SharedStorage& s, Ring& ring,
+                                           const WorkItem& it, int index, int page, int lane) {
+  const int seq = it.seq_head / kNumKvHeads;
+  const int kvh = it.seq_head % kNumKvHeads;
+  const uint16_t* q_src = p.q + (int64_t{seq} * kNumQoHeads + kvh * kGroupSize) * int64_t{kHeadDim};
+  const bool first = index == 0;
+  const int stage = ring.stage;
+  const uint32_t full = ptx::SmemAddr(&s.full[stage]);
+  const uint32_t empty = ptx::SmemAddr(&s.empty[stage]);
+  const uint32_t dst = ptx::SmemAddr(s.stage[stage]);
+  if constexpr (kTma) {
+    if (lane == 0) {
+      ptx::MbarWait(empty, ring.phase ^ 1);
+      WriteTag(s, stage, index, it);
+      ptx::MbarArriveExpectTx(full, kStageBytes + (first ? kQBytes : 0));
+      ptx::TmaLoad4d(dst, &p.k_map, 0, kvh, 0, page, full);
+      ptx::TmaLoad4d(dst + kHalfBytes, &p.k_map, 64, kvh, 0, page, full);
+      ptx::TmaLoad4d(dst + 2 * kHalfBytes, &p.v_map, 0, kvh, 0, page, full);
+      ptx::TmaLoad4d(dst + 3 * kHalfBytes, &p.v_map, 64, kvh, 0, page, full);
+      if (first) ptx::BulkLoad(ptx::SmemAddr(s.q[stage]), q_src, kQBytes, full);
+    }
+  } else {
+    ptx::MbarWait(empty, ring.phase ^ 1);
+    if (lane == 0) WriteTag(s, stage, index, it);
+    const int64_t page_off = int64_t{page} * kPageBytes + kvh * kHeadDim * 2;
+    const char* kp = reinterpret_cast<const char*>(p.k_cache) + page_off;
+    const char* vp = reinterpret_cast<const char*>(p.v_cache) + page_off;
+#pragma unroll 8
+    for (int c = lane; c < kPageSize * 16; c += 32) {
+      const int token = c >> 4;
+      const int chunk = c & 15;
+      const uint32_t off = SwizzledOffset(token, chunk);
+      const int src = token * static_cast<int>(kTokenElems * 2) + chunk * 16;
+      ptx::CpAsync16(dst + off, kp + src);
+      ptx::CpAsync16(dst + 2 * kHalfBytes + off, vp + src);
+    }
+    if (first) {
+      for (int c = lane; c < kQBytes / 16; c += 32) {
+        ptx::CpAsync16(ptx::SmemAddr(s.q[stage]) + c * 16,
+                       reinterpret_cast<const char*>(q_src) + c * 16);
+      }
+    }
+    ptx::CpAsyncArriveNoinc(full);
+    if (lane == 0) ptx::MbarArrive(full);  // releases the tag
+  }
+  ring.Advance();
+}
+
+// The items of one part (head and its rest), page by page; each item's page ids 32 at a time
+// (a lane each), the next item's work item in flight meanwhile. (Loading the work items two
+// ahead and each next chunk of page ids a chunk ahead measured no faster: NOTES.md, v7.)
 template <bool kTma>
 __device__ void ProducePart(const KernelParams& p, SharedStorage& s, Ring& ring,
                             const WorkItem& head, int lane) {
@@ -193,56 +247,11 @@ __device__ void ProducePart(const KernelParams& p, SharedStorage& s, Ring& ring,
       ProduceTagOnly<kTma>(s, ring, kTagEmpty, it, lane);
       continue;
     }
-    const int seq = it.seq_head / kNumKvHeads;
-    const int kvh = it.seq_head % kNumKvHeads;
-    const uint16_t* q_src =
-        p.q + (int64_t{seq} * kNumQoHeads + kvh * kGroupSize) * int64_t{kHeadDim};
     for (int base = 0; base < it.num_pages; base += 32) {
+      const int ids = LoadPageIds(p, it, base, lane);
       const int n = min(32, it.num_pages - base);
-      const int my_page = lane < n ? __ldg(p.kv_indices + it.page_begin + base + lane) : 0;
       for (int j = 0; j < n; ++j) {
-        const int page = __shfl_sync(0xffffffffu, my_page, j);
-        const bool first = base + j == 0;
-        const int stage = ring.stage;
-        const uint32_t full = ptx::SmemAddr(&s.full[stage]);
-        const uint32_t empty = ptx::SmemAddr(&s.empty[stage]);
-        const uint32_t dst = ptx::SmemAddr(s.stage[stage]);
-        if constexpr (kTma) {
-          if (lane == 0) {
-            ptx::MbarWait(empty, ring.phase ^ 1);
-            WriteTag(s, stage, base + j, it);
-            ptx::MbarArriveExpectTx(full, kStageBytes + (first ? kQBytes : 0));
-            ptx::TmaLoad4d(dst, &p.k_map, 0, kvh, 0, page, full);
-            ptx::TmaLoad4d(dst + kHalfBytes, &p.k_map, 64, kvh, 0, page, full);
-            ptx::TmaLoad4d(dst + 2 * kHalfBytes, &p.v_map, 0, kvh, 0, page, full);
-            ptx::TmaLoad4d(dst + 3 * kHalfBytes, &p.v_map, 64, kvh, 0, page, full);
-            if (first) ptx::BulkLoad(ptx::SmemAddr(s.q[stage]), q_src, kQBytes, full);
-          }
-        } else {
-          ptx::MbarWait(empty, ring.phase ^ 1);
-          if (lane == 0) WriteTag(s, stage, base + j, it);
-          const int64_t page_off = int64_t{page} * kPageBytes + kvh * kHeadDim * 2;
-          const char* kp = reinterpret_cast<const char*>(p.k_cache) + page_off;
-          const char* vp = reinterpret_cast<const char*>(p.v_cache) + page_off;
-#pragma unroll 8
-          for (int c = lane; c < kPageSize * 16; c += 32) {
-            const int token = c >> 4;
-            const int chunk = c & 15;
-            const uint32_t off = SwizzledOffset(token, chunk);
-            const int src = token * static_cast<int>(kTokenElems * 2) + chunk * 16;
-            ptx::CpAsync16(dst + off, kp + src);
-            ptx::CpAsync16(dst + 2 * kHalfBytes + off, vp + src);
-          }
-          if (first) {
-            for (int c = lane; c < kQBytes / 16; c += 32) {
-              ptx::CpAsync16(ptx::SmemAddr(s.q[stage]) + c * 16,
-                             reinterpret_cast<const char*>(q_src) + c * 16);
-            }
-          }
-          ptx::CpAsyncArriveNoinc(full);
-          if (lane == 0) ptx::MbarArrive(full);  // releases the tag
-        }
-        ring.Advance();
+        IssueStage<kTma>(p, s, ring, it, base + j, __shfl_sync(0xffffffffu, ids, j), lane);
       }
     }
   }
@@ -258,7 +267,6 @@ __device__ void Produce(const KernelParams& p, SharedStorage& s, WorkItem head, 
   const int num_ctas = static_cast<int>(gridDim.x);
   const bool queued = num_parts > num_ctas;
   Ring ring;
-  ring.trigger = p.trigger_at_first_stage != 0;
   for (;;) {
     ProducePart<kTma>(p, s, ring, head, lane);
     if (!queued) break;
@@ -286,9 +294,21 @@ __device__ void Produce(const KernelParams& p, SharedStorage& s, WorkItem head, 
 // ---------------------------------------------------------------------------------------------
 // Consumers
 
-// One warp's 16 tokens of one stage: scores, online softmax update, O += P V.
+// Zeroes the halves of a V fragment (ldmatrix .trans: tokens `token` and `token + 1`, the low and
+// high bf16) that lie at or past `valid`, so that whatever a last page holds past the sequence's
+// last token (NaN included) cannot reach the output through P = 0.
+__device__ __forceinline__ uint32_t MaskTokens(uint32_t frag, int token, int valid) {
+  if (token >= valid) frag &= 0xffff0000u;
+  if (token + 1 >= valid) frag &= 0x0000ffffu;
+  return frag;
+}
+
+// One warp's 16 tokens of one stage: scores, online softmax update, O += P V. Scores of tokens
+// at or past `valid` are masked to -inf; mask_v: their V fragments are zeroed too (the stage is
+// a last page whose valid tokens end inside this warp's 16, and its V rows were not zeroed in
+// shared memory).
 __device__ __forceinline__ void ProcessTile(uint32_t base, const uint32_t (&qa)[8][2], int warp,
-                                            int lane, int valid, float scale_log2,
+                                            int lane, int valid, bool mask_v, float scale_log2,
                                             float (&o)[16][2], float& m, float& l) {
   const int r = lane & 7;
   const int mi = lane >> 3;
@@ -344,6 +364,11 @@ __device__ __forceinline__ void ProcessTile(uint32_t base, const uint32_t (&qa)[
     const int chunk = 2 * np + (mi >> 1);
     uint32_t b[4];
     ptx::Ldsm4Trans(vbase + SwizzledOffset(token, chunk), b);
+    if (mask_v) {
+      // Fragment k holds tokens t0 + 8 * (k & 1) + 2 * quad and the next one.
+#pragma unroll
+      for (int k = 0; k < 4; ++k) b[k] = MaskTokens(b[k], t0 + ((k & 1) << 3) + 2 * quad, valid);
+    }
     ptx::MmaRows8(o[2 * np][0], o[2 * np][1], pa0, pa2, b[0], b[1]);
     ptx::MmaRows8(o[2 * np + 1][0], o[2 * np + 1][1], pa0, pa2, b[2], b[3]);
   }
@@ -576,7 +601,6 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, int warp, int l
   float m = -INFINITY;
   float l = 0.0f;
   uint32_t qa[8][2];
-  bool trigger = p.trigger_at_first_stage != 0;
   const bool timed = p.timeline != nullptr;
   unsigned long long items = 0, pages = 0, finish_ns = 0, wait_ns = 0;
   if (timed && tid == 0) s.merges = 0;
@@ -584,10 +608,6 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, int warp, int l
     const unsigned long long wait_from = timed ? GlobalTimer() : 0ull;
     ptx::MbarWait(ptx::SmemAddr(&s.full[stage]), phase);
     if (timed) wait_ns += GlobalTimer() - wait_from;
-    if (trigger) {
-      ptx::LaunchDependents();
-      trigger = false;
-    }
     const StageTag it = s.tag[stage];
     if (it.page == kTagEnd) break;
     const int seq = it.seq_head / kNumKvHeads;
@@ -616,12 +636,14 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, int warp, int l
       const int valid = it.page == it.num_pages - 1 ? it.last_len : kPageSize;
       if (t0 < valid && !p.skip_attention) {
         const bool tail = valid < t0 + kTokensPerWarp;
-        if (tail) {
+        const bool in_shared = tail && p.zero_tail_in_shared;
+        if (in_shared) {
           ZeroVRows(s.stage[stage], valid, t0 + kTokensPerWarp, lane);
           __syncwarp();
         }
-        ProcessTile(ptx::SmemAddr(s.stage[stage]), qa, warp, lane, valid, p.scale_log2, o, m, l);
-        if (tail) ptx::FenceProxyAsync();
+        ProcessTile(ptx::SmemAddr(s.stage[stage]), qa, warp, lane, valid, tail && !in_shared,
+                    p.scale_log2, o, m, l);
+        if (in_shared) ptx::FenceProxyAsync();
       }
     }
     __syncwarp();
@@ -658,9 +680,7 @@ __global__ void __launch_bounds__(kThreads, 1) PagedDecodeKernel(const __grid_co
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  // MergeKernel's CTAs may take their place and wait: now, or once this CTA's first stage is
-  // under way (the producer and the consumers trigger then).
-  if (!p.trigger_at_first_stage) ptx::LaunchDependents();
+  ptx::LaunchDependents();  // MergeKernel's CTAs may take their place and wait for this grid
   const WorkItem head = p.first_from_params ? p.first[blockIdx.x] : LoadItem(p.items + blockIdx.x);
   const int num_parts = p.first_from_params ? p.num_parts : __ldg(&p.header->num_parts);
   // A CTA whose own part is empty has nothing to do unless the plan has a queue of parts (then

@@ -25,30 +25,35 @@ class CudaDecodeTest : public ::testing::Test {
   static constexpr int kNumDecoders = 7;
   static void SetUpTestSuite() {
     if (!CudaDecodeDeviceAvailable()) return;
-    // The default TMA and cp.async decoders (one part per CTA; merges chosen per batch); the
-    // same with every merge inside the decode kernel and the first items read from the plan
-    // table instead of the launch parameters; and queues of up to 16 parts per CTA of
-    // any size, so that even small batches are cut into many parts handed out at run time,
-    // with every merge inside the decode kernel, or every merge by the merge kernel launched
-    // without PDL; and the merge kernel starting each group on its counter, while the decode
-    // grid still runs: chosen per batch as by default (so that one decoder switches between
-    // that and merges inside the decode kernel, which share the counters) and launched once
-    // the decode CTAs' first stages are under way, and for every merge with 16 parts per CTA.
+    // 0, 1: the default TMA and cp.async decoders (one part per CTA; every split sequence
+    // merged by the merge kernel, each group as soon as its counter shows its pieces written;
+    // a last page's unused V zeroed in registers).
+    // 2: every merge inside the decode kernel, the first items read from the plan table instead
+    //    of the launch parameters.
+    // 3, 4, 6: queues of up to 16 parts per CTA of any size, so that even small batches are cut
+    //    into many parts handed out at run time: with every merge inside the decode kernel;
+    //    with the merge kernel launched without PDL and waiting for the whole grid; with merges
+    //    chosen per batch on counters (one decoder switching between merge kernel and in-kernel
+    //    merges, which share the counters).
+    // 5: the v6 ways kept as options: merges chosen per batch, the merge kernel waiting for the
+    //    whole grid, a last page's unused V rows zeroed in shared memory.
     std::vector<CudaDecoderOptions> configs(kNumDecoders);
-    configs[1].load_path = CudaLoadPath::kCpAsync;
     using Merge = CudaDecoderTuning::Merge;
+    using MergeWait = CudaDecoderTuning::MergeWait;
+    configs[1].load_path = CudaLoadPath::kCpAsync;
     configs[2].tuning.merge = Merge::kInKernel;
-    configs[2].tuning.first_items_in_params = false;  // first items read from the plan table
+    configs[2].tuning.first_items_in_params = false;
     for (int i : {3, 4, 6}) {
       configs[i].tuning.parts_per_cta = kMaxPartsPerCta;
       configs[i].tuning.min_part_units = 1;
     }
     configs[3].tuning.merge = Merge::kInKernel;
-    configs[4].tuning.merge = Merge::kKernel;
     configs[4].tuning.programmatic_launch = false;
-    for (int i : {5, 6}) configs[i].tuning.merge_wait = CudaDecoderTuning::MergeWait::kCounters;
-    configs[5].tuning.trigger = CudaDecoderTuning::DependentsTrigger::kFirstStage;
-    configs[6].tuning.merge = Merge::kKernel;
+    configs[4].tuning.merge_wait = MergeWait::kGrid;
+    configs[5].tuning.merge = Merge::kAuto;
+    configs[5].tuning.merge_wait = MergeWait::kGrid;
+    configs[5].tuning.zero_tail_in_shared = true;
+    configs[6].tuning.merge = Merge::kAuto;
     for (const CudaDecoderOptions& options : configs) {
       std::unique_ptr<CudaDecoder> d;
       const KernelStatus st = CudaDecoder::Create(options, &d);
@@ -58,8 +63,8 @@ class CudaDecodeTest : public ::testing::Test {
   }
   static const char* Label(size_t i) {
     static const char* const kLabels[kNumDecoders] = {
-        "tma", "cp.async", "tma-inmerge", "tma-16parts-inmerge", "tma-16parts-mergekernel-nopdl",
-        "tma-counters-late", "tma-16parts-mergekernel-counters"};
+        "tma", "cp.async", "tma-inmerge", "tma-16parts-inmerge", "tma-16parts-grid-nopdl",
+        "tma-v6-auto-grid-sharedtail", "tma-16parts-auto-counters"};
     return kLabels[i];
   }
   static void TearDownTestSuite() { decoders_.clear(); }

@@ -62,9 +62,11 @@ struct CudaDecoderTuning {
   //              head of a group (programmatic_launch: as a programmatic dependent launch, so
   //              its CTAs are resident and waiting when the decode grid ends);
   //   kAuto:     kKernel when the batch has at most num_ctas / 2 (seq, head)s with pages (each
-  //              is then cut into 2 or more pieces), else kInKernel.
+  //              is then cut into 2 or more pieces), else kInKernel (the v5-v6 default).
+  // The default, kKernel with merge_wait kCounters, measured 2-4% faster than kAuto on the
+  // large multi-sequence batches and the same on the small ones (NOTES.md, v7).
   enum class Merge { kAuto, kInKernel, kKernel };
-  Merge merge = Merge::kAuto;
+  Merge merge = Merge::kKernel;
   bool programmatic_launch = true;
   // When the merge kernel starts a group (kernels/bench/NOTES.md, v7):
   //   kGrid:     once the whole decode grid is complete (griddepcontrol.wait);
@@ -72,13 +74,12 @@ struct CudaDecoderTuning {
   //              per-group counter (a release add) that the merge kernel's CTAs acquire, so the
   //              merges overlap the rest of the decode grid.
   enum class MergeWait { kGrid, kCounters };
-  MergeWait merge_wait = MergeWait::kGrid;
-  // When the decode kernel lets the merge kernel's CTAs launch (programmatic launch only):
-  //   kEntry:      as each decode CTA starts;
-  //   kFirstStage: once each decode CTA's first K/V stage is under way, so that the merge
-  //                kernel's launch stays clear of the decode kernel's first loads.
-  enum class DependentsTrigger { kEntry, kFirstStage };
-  DependentsTrigger trigger = DependentsTrigger::kEntry;
+  MergeWait merge_wait = MergeWait::kCounters;
+  // How a last page's unused tokens are kept out of the output (their K and V may hold
+  // anything, NaN included): false: their V fragments are zeroed in registers; true: their V
+  // rows are zeroed in shared memory, which then needs a proxy fence before the stage may be
+  // refilled by the copy engine (the v6 way; kernels/bench/NOTES.md, v7).
+  bool zero_tail_in_shared = false;
   // The plan's header and every CTA's first work item travel in the launch parameters (8 KiB;
   // from the pinned plan buffer, at Run), so a CTA's first load is its page ids, not a table.
   bool first_items_in_params = true;
