@@ -9,8 +9,8 @@
 //   warps 0..3  consumers: follow the stages' tags; each takes 16 of the page's 64 tokens;
 //               S = Q K^T and O += P V on the tensor cores (m16n8k16, the 6 query heads in rows
 //               0..5 of A), online softmax in base 2; at the end of an item the 4 warps combine
-//               through shared memory and either write the output or a partial result that the
-//               last piece's CTA merges.
+//               through shared memory and either write the output or a partial result that
+//               MergeKernel merges (by default; or the last piece's CTA: merge_mode).
 // The stages form a ring of kStages buffers with a full and an empty mbarrier each.
 #pragma once
 
