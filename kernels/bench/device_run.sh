@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,temperature.gpu \
   --format=csv > "$OUT/smi.txt" 2>&1
 has() { [[ " $STEPS " == *" $1 "* ]]; }
-SMALL='*SequenceLengthsInTokens*:*EmptySequences*:*SharedPages*:*NanAndInf*:*RepeatedRuns*:*Graph*:*InFlight*'
+SMALL='*SequenceLengthsInTokens*:*EmptySequences*:*PagesShared*:*NanAndInf*:*RepeatedRuns*:*Graph*:*InFlight*'
 if has tests; then
   echo "== tests"
   "$BIN/pagedattn_kernel_plan_test" --gtest_brief=1 > "$OUT/tests.log" 2>&1
