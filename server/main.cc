@@ -65,6 +65,14 @@ ABSL_FLAG(int64_t, cuda_spin_wait_us, 2000,
 ABSL_FLAG(int32_t, cuda_copy_threads, 4,
           "CUDA backend: host threads (1..64, the executor included) that copy a batch's q and "
           "k/v rows into pinned memory and its outputs out of it, when it has 128 KiB or more");
+ABSL_FLAG(int64_t, cuda_host_ring_mib, 128,
+          "CUDA backend: MiB of pinned host memory that Decode requests are received into (their "
+          "q and k/v copied once on the RPC thread) and answered from, so that a batch of one or "
+          "two requests is copied to and from the GPU without host packing; 0: none");
+ABSL_FLAG(bool, cuda_kernel_writes_outputs, true,
+          "CUDA backend: a batch of one request received into the host ring gets its outputs "
+          "written by the kernel straight into the request's pinned block; false: copied back "
+          "after the kernel");
 ABSL_FLAG(bool, cuda_stream_per_slot, true,
           "CUDA backend: each in-flight batch on its own stream, so that its input and output "
           "copies overlap the neighbouring batches' kernels (their work on the pool stays in "
@@ -113,6 +121,8 @@ CudaBackend::Options CudaOptionsFromFlags() {
   options.spin_wait_us = absl::GetFlag(FLAGS_cuda_spin_wait_us);
   options.copy_threads = absl::GetFlag(FLAGS_cuda_copy_threads);
   options.stream_per_slot = absl::GetFlag(FLAGS_cuda_stream_per_slot);
+  options.host_ring_bytes = absl::GetFlag(FLAGS_cuda_host_ring_mib) * (int64_t{1} << 20);
+  options.kernel_writes_outputs = absl::GetFlag(FLAGS_cuda_kernel_writes_outputs);
   return options;
 }
 #endif

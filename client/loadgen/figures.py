@@ -101,8 +101,8 @@ def main(argv):
             row("(b) server-side request mean - kernel mean (us)", name,
                 d.get("server_request_mean_minus_kernel_mean_us"), "< 100", lambda v: v < 100, ".1f")
 
-    stages = ("to_work", "prepare", "launch", "launch_pack", "device_in", "wait", "wait_unpack",
-              "device_out", "callbacks", "release")
+    stages = ("to_work", "receive", "prepare", "launch", "launch_plan", "launch_pack", "device_in", "wait",
+              "wait_unpack", "device_out", "callbacks", "release")
     if any(get(r, "server", "metrics", "stage_duration") for r in runs.values()):
         print()
         print("| run | " + " | ".join(f"{st} mean (us)" for st in stages) + " |")

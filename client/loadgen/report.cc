@@ -11,11 +11,13 @@
 namespace pagedattn::loadgen {
 namespace {
 
-// The server's pagedattn_stage_duration_seconds stages, in the order of a batch's path
-// (launch_pack is part of launch and wait_unpack of wait; the last four only on a staging
-// backend, the CUDA one).
-constexpr const char* kStages[] = {"to_work", "prepare", "launch", "launch_pack", "device_in",
-                                   "wait", "wait_unpack", "device_out", "callbacks", "release"};
+// The server's pagedattn_stage_duration_seconds stages, in the order of a request's path:
+// receive per request into a pinned host block (when it got one); launch_plan and launch_pack
+// are parts of launch, wait_unpack of wait; all but the six per-batch ones (prepare, launch,
+// wait, callbacks, release) and to_work only on a staging backend, the CUDA one.
+constexpr const char* kStages[] = {"to_work", "receive", "prepare", "launch", "launch_plan",
+                                   "launch_pack", "device_in", "wait", "wait_unpack", "device_out",
+                                   "callbacks", "release"};
 
 
 // K and V of one token at one layer: 4 heads x 128 x 2 bytes, twice.
@@ -72,6 +74,7 @@ Json ServerBreakdown(const Scrape& before, const Scrape& after) {
   j.Set("request_duration", std::move(by_method));
   j.Set("requests_total", CounterDeltas(after, before, "pagedattn_requests_total"));
   j.Set("rejected_requests_total", CounterDeltas(after, before, "pagedattn_rejected_requests_total"));
+  j.Set("decode_receive_total", CounterDeltas(after, before, "pagedattn_decode_receive_total"));
   return j;
 }
 

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "server/backend/host_ring.h"
 #include "server/batch/planner.h"
 #include "server/kv/kv_types.h"
 
@@ -58,11 +59,12 @@ struct BackendBatch {
   // Set by the backend when Wait returns OK: seconds the attention took (0 without attention).
   double kernel_seconds = 0.0;
   // Set by a backend that stages through host buffers (the CUDA one; 0 elsewhere), for the
-  // stage metrics: Launch's host copies into its staging buffers, Wait's copies of the outputs
+  // stage metrics: Launch's planning of the kernel's work and host copies into its staging buffers, Wait's copies of the outputs
   // out of them, and on the device the time from the batch's input copy (issued once packed) to
   // the start of its attention (the copies, pool writes, plan tables, and any wait for the
   // previous batch or for the host to issue the launch) and from the end of the attention to
   // the outputs in host memory.
+  double plan_seconds = 0.0;  // the decoder's host planning (its table copy issued), in Launch
   double pack_seconds = 0.0;
   double unpack_seconds = 0.0;
   double device_in_seconds = 0.0;
@@ -79,6 +81,7 @@ struct BackendBatch {
     output.clear();
     lse.clear();
     kernel_seconds = 0.0;
+    plan_seconds = 0.0;
     pack_seconds = 0.0;
     unpack_seconds = 0.0;
     device_in_seconds = 0.0;
@@ -113,6 +116,14 @@ class Backend {
   // Blocks until the batch launched earliest and not yet waited (which is `batch`) is done:
   // its output and lse rows and kernel_seconds are filled.
   virtual absl::Status Wait(BackendBatch* batch) = 0;
+
+  // Host memory for one Decode's tensors that the backend moves to and from its device without
+  // host copies (pinned, for the CUDA backend; see host_ring.h): the engine copies the request's
+  // q and k/v into it at admission, on the caller's thread, and points the batch's q, k/v,
+  // output and lse at it. Empty when the backend has none, or none free now (the engine then
+  // keeps the request's own memory). Thread-safe: called from any thread, also while batches
+  // run. The block must be released before the backend is destroyed.
+  virtual HostBlock TakeHostBlock(int64_t /*bytes*/) { return {}; }
 
   // Whether Wait(batch), for the batch launched earliest and not yet waited, would return
   // without blocking on the device (it is done, or the backend failed). Never blocks; called

@@ -43,6 +43,11 @@ void FenceStores() {
 
 }  // namespace
 
+void CopyForDevice(void* dst, const void* src, size_t bytes) {
+  CopyToMemory(static_cast<char*>(dst), static_cast<const char*>(src), bytes);
+  FenceStores();
+}
+
 void CopyList::Add(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
   copies_.push_back(Copy{static_cast<char*>(dst), static_cast<const char*>(src), bytes});

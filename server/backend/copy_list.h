@@ -13,6 +13,10 @@
 
 namespace pagedattn {
 
+// One copy whose next reader is a DMA to a GPU: CopyList::Reader::kDevice's stores (non-temporal
+// on x86-64, fenced before it returns), on the calling thread.
+void CopyForDevice(void* dst, const void* src, size_t bytes);
+
 class CopyList {
  public:
   // Copies of fewer bytes than this run on the calling thread alone.

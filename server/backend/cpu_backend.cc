@@ -1,6 +1,7 @@
 #include "server/backend/cpu_backend.h"
 
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <new>
@@ -16,7 +17,22 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const Options& op
   absl::StatusOr<std::unique_ptr<ThreadPool>> threads =
       ThreadPool::Create({.num_threads = options.num_threads});
   if (!threads.ok()) return threads.status();
-  return std::unique_ptr<CpuBackend>(new CpuBackend(std::move(*threads)));
+  if (options.host_ring_bytes < 0) return absl::InvalidArgumentError("host_ring_bytes must be >= 0");
+  return std::unique_ptr<CpuBackend>(new CpuBackend(std::move(*threads), options.host_ring_bytes));
+}
+
+CpuBackend::CpuBackend(std::unique_ptr<ThreadPool> threads, int64_t host_ring_bytes)
+    : threads_(std::move(threads)) {
+  if (host_ring_bytes > 0) {
+    ring_memory_.reset(new char[host_ring_bytes + HostRing::kAlignment]);
+    const auto at = reinterpret_cast<uintptr_t>(ring_memory_.get());
+    const uintptr_t aligned = (at + HostRing::kAlignment - 1) / HostRing::kAlignment * HostRing::kAlignment;
+    ring_ = std::make_unique<HostRing>(ring_memory_.get() + (aligned - at), host_ring_bytes);
+  }
+}
+
+HostBlock CpuBackend::TakeHostBlock(int64_t bytes) {
+  return ring_ == nullptr ? HostBlock() : ring_->Take(bytes);
 }
 
 absl::Status CpuBackend::Init(const PoolShape& shape) {

@@ -21,6 +21,10 @@ class CpuBackend final : public Backend {
  public:
   struct Options {
     int32_t num_threads = 1;  // threads computing attention (the engine's executor included)
+    // Bytes of a HostRing that TakeHostBlock hands out (0: none, TakeHostBlock is always
+    // empty). The CPU needs no staging; the ring is there so that the engine's host-block path
+    // (the CUDA backend's) runs and is tested without a GPU.
+    int64_t host_ring_bytes = 0;
   };
 
   // INVALID_ARGUMENT for bad options. Starts the threads; the pool comes with Init.
@@ -31,11 +35,15 @@ class CpuBackend final : public Backend {
   int32_t max_in_flight() const override { return 1; }
   absl::Status Launch(BackendBatch* batch) override;
   absl::Status Wait(BackendBatch* batch) override;
+  HostBlock TakeHostBlock(int64_t bytes) override;
+
+  // The ring of Options::host_ring_bytes (nullptr without one).
+  const HostRing* host_ring() const { return ring_.get(); }
 
   int32_t num_threads() const { return threads_->num_threads(); }
 
  private:
-  explicit CpuBackend(std::unique_ptr<ThreadPool> threads) : threads_(std::move(threads)) {}
+  CpuBackend(std::unique_ptr<ThreadPool> threads, int64_t host_ring_bytes);
   absl::Status Validate(const BackendBatch& batch) const;
   absl::Status Run(BackendBatch* batch);
 
@@ -49,6 +57,8 @@ class CpuBackend final : public Backend {
   std::vector<uint16_t> out_staging_;   // [max_batch_size, 24, 128]
   std::vector<float> lse_staging_;      // [max_batch_size, 24]
   absl::Status last_launch_;            // what Wait reports
+  std::unique_ptr<char[]> ring_memory_;  // aligned to HostRing::kAlignment inside
+  std::unique_ptr<HostRing> ring_;
 };
 
 }  // namespace pagedattn

@@ -131,6 +131,11 @@ struct Slot {
   cudaStream_t stream = nullptr;    // the slot's own stream, or the backend's shared one
   BackendBatch* batch = nullptr; // launched, not yet waited
   bool timed = false;            // start/stop recorded (the batch has attention)
+  // How the outputs reach the batch's rows: the kernel writes them into its one host block, or
+  // they are copied back into the blocks (one copy per run), or into host_out and unpacked.
+  enum class Out { kKernelWrites, kCopyToBlocks, kCopyAndUnpack };
+  Out out = Out::kCopyAndUnpack;
+  double plan_seconds = 0.0;     // the decoder's Plan, all rounds
   double pack_seconds = 0.0;     // host copies into host_in, all rounds of the batch
 };
 
@@ -179,6 +184,19 @@ struct CudaBackend::Impl {
   std::vector<int32_t> rebased_indptr;  // scratch of Launch: [max_batch_size + 1]
   std::unique_ptr<ThreadPool> copier;   // runs `copies`
   CopyList copies;                      // scratch of Launch and Wait: one round's host copies
+  char* ring_memory = nullptr;          // pinned [host_ring_bytes]
+  char* ring_device = nullptr;          // ring_memory as the device addresses it
+  std::unique_ptr<HostRing> ring;       // over ring_memory; null without
+  std::vector<DeviceRun> runs;          // scratch of Launch
+
+  // Whether `runs` can be copied straight between the ring and the device.
+  bool Direct(const std::vector<DeviceRun>& r) const {
+    if (ring == nullptr || r.size() > static_cast<size_t>(kMaxDirectRuns)) return false;
+    for (const DeviceRun& run : r) {
+      if (!ring->Contains(run.host, run.bytes)) return false;
+    }
+    return true;
+  }
 
   ~Impl();
   absl::Status Fail(absl::Status s) {
@@ -213,6 +231,8 @@ CudaBackend::Impl::~Impl() {
     }
     if (slot.stream != nullptr && slot.stream != shared_stream) cudaStreamDestroy(slot.stream);
   }
+  ring.reset();
+  if (ring_memory != nullptr) cudaFreeHost(ring_memory);
   if (k_pool != nullptr) cudaFree(k_pool);
   if (v_pool != nullptr) cudaFree(v_pool);
   if (shared_stream != nullptr) cudaStreamDestroy(shared_stream);
@@ -234,6 +254,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Options& 
     return absl::InvalidArgumentError(
         absl::StrCat("copy_threads must be in 1..64, got ", options.copy_threads));
   }
+  if (options.host_ring_bytes < 0) return absl::InvalidArgumentError("host_ring_bytes must be >= 0");
   PA_RETURN_IF_ERROR(CheckDevice(options.device));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
@@ -359,8 +380,16 @@ absl::Status CudaBackend::Impl::Allocate() {
       PA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&slot.stream, cudaStreamNonBlocking));
     }
   }
+  if (options.host_ring_bytes > 0) {
+    e = cudaMallocHost(reinterpret_cast<void**>(&ring_memory), options.host_ring_bytes);
+    if (e != cudaSuccess) return AllocError("the pinned host ring", options.host_ring_bytes, e);
+    ring = std::make_unique<HostRing>(ring_memory, options.host_ring_bytes);
+    PA_CUDA_RETURN_IF_ERROR(
+        cudaHostGetDevicePointer(reinterpret_cast<void**>(&ring_device), ring_memory, 0));
+  }
   rebased_indptr.resize(shape.max_batch_size + 1);
   rounds.reserve(8);
+  runs.reserve(kMaxDirectRuns + 1);
   // The memsets ran on the legacy stream, which a non-blocking stream does not wait for.
   PA_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   return absl::OkStatus();
@@ -396,6 +425,22 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
   TokenCursor cursor;
   slot.timed = false;
   slot.pack_seconds = 0.0;
+  slot.plan_seconds = 0.0;
+  // Where the attention writes: the batch's host block when its output rows and then its lse
+  // rows are one run in the ring (a batch of one request; the stores cross PCIe as the kernel
+  // finishes its rows, and no copy back is left), else the slot's device buffer.
+  char* out_base = slot.dev_out;
+  slot.out = Slot::Out::kCopyAndUnpack;
+  if (b > 0) {
+    OutputRuns(batch, &runs);
+    if (Direct(runs)) {
+      slot.out = Slot::Out::kCopyToBlocks;
+      if (runs.size() == 1 && options.kernel_writes_outputs) {
+        slot.out = Slot::Out::kKernelWrites;
+        out_base = ring_device + (runs[0].host - ring_memory);
+      }
+    }
+  }
   for (size_t i = 0; i < rounds.size(); ++i) {
     const Round& r = rounds[i];
     if (i > 0) PA_RETURN_IF_ERROR(WaitEvent(slot.staged, "waiting for a staging round"));
@@ -404,22 +449,37 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
     const RoundLayout l = LayoutRound(ns, ni, r.num_copies(), r.num_tokens());
     char* const h = slot.host_in;
     char* const dev = slot.dev_in;
-    // The decoder's plan first: its table copy then travels ahead of the arena's, while the host
-    // packs, and after the arena copy only the launches are left to issue. (The slot's decoder
-    // is free: its previous batch was waited, or its previous round waited for above.)
+    // The rows straight from the requests' host blocks when they can: their copies go first,
+    // so that they run while the host plans and packs the tables. Else the rows are packed with
+    // the tables, after the decoder's plan, whose table copy then travels ahead of the arena's
+    // while the host packs. (The slot's decoder is free: its previous batch was waited, or its
+    // previous round waited for above.)
+    RowRuns(batch, r.seq_begin, ns, r.num_tokens(), cursor, l, &runs);
+    const bool direct_in = Direct(runs);
+    if (direct_in) {
+      if (i == 0) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.begin, stream));
+      for (const DeviceRun& run : runs) {
+        PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev + run.offset, run.host, run.bytes,
+                                                cudaMemcpyHostToDevice, stream));
+      }
+    }
     if (ns > 0) {
       const int32_t* indptr = plan.kv_indptr.data() + r.seq_begin;
       if (r.seq_begin > 0) {
         for (int32_t s = 0; s <= ns; ++s) rebased_indptr[s] = indptr[s] - indptr[0];
         indptr = rebased_indptr.data();
       }
+      const auto plan_begin = std::chrono::steady_clock::now();
       PA_RETURN_IF_ERROR(KernelFailure(
           slot.decoder->Plan(indptr, plan.kv_last_page_len.data() + r.seq_begin, ns, stream)));
+      slot.plan_seconds += SecondsSince(plan_begin);
     }
     const auto pack_begin = std::chrono::steady_clock::now();
     copies.Clear();
-    for (int32_t s = 0; s < ns; ++s) {
-      copies.Add(h + l.q + s * kQueryBytes, batch.q[r.seq_begin + s], kQueryBytes);
+    if (!direct_in) {
+      for (int32_t s = 0; s < ns; ++s) {
+        copies.Add(h + l.q + s * kQueryBytes, batch.q[r.seq_begin + s], kQueryBytes);
+      }
     }
     if (ni > 0) {
       copies.Add(h + l.indices, plan.kv_indices.data() + plan.kv_indptr[r.seq_begin],
@@ -431,14 +491,21 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
     }
     if (r.num_tokens() > 0) {
       PackTokens(batch, r.num_tokens(), &cursor, reinterpret_cast<int64_t*>(h + l.slots),
-                 reinterpret_cast<uint16_t*>(h + l.k_rows),
-                 reinterpret_cast<uint16_t*>(h + l.v_rows), &copies);
+                 direct_in ? nullptr : reinterpret_cast<uint16_t*>(h + l.k_rows),
+                 direct_in ? nullptr : reinterpret_cast<uint16_t*>(h + l.v_rows), &copies);
     }
     // Non-temporal stores: the arena's next reader is the copy to the device below.
     copies.Run(copier.get(), CopyList::kDefaultParallelBytes, CopyList::Reader::kDevice);
     slot.pack_seconds += SecondsSince(pack_begin);
-    if (i == 0) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.begin, stream));
-    PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, h, l.bytes, cudaMemcpyHostToDevice, stream));
+    if (direct_in) {
+      if (l.bytes > l.indices) {
+        PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev + l.indices, h + l.indices, l.bytes - l.indices,
+                                                cudaMemcpyHostToDevice, stream));
+      }
+    } else {
+      if (i == 0) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.begin, stream));
+      PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, h, l.bytes, cudaMemcpyHostToDevice, stream));
+    }
     // The pool work of consecutive batches in launch order: this batch's copy above may run
     // while the previous batch's kernels do, its pool work not.
     if (i == 0 && last_pool_done != nullptr) {
@@ -475,8 +542,8 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
       a.k_cache = k_pool;
       a.v_cache = v_pool;
       a.kv_indices = reinterpret_cast<const int32_t*>(dev + l.indices);
-      a.output = reinterpret_cast<uint16_t*>(slot.dev_out) + int64_t{r.seq_begin} * k::kQueryElems;
-      a.lse = reinterpret_cast<float*>(slot.dev_out + LseOffset(b)) +
+      a.output = reinterpret_cast<uint16_t*>(out_base) + int64_t{r.seq_begin} * k::kQueryElems;
+      a.lse = reinterpret_cast<float*>(out_base + LseOffset(b)) +
               int64_t{r.seq_begin} * k::kNumQoHeads;
       a.batch_size = ns;
       a.num_pages = pool_pages;
@@ -495,9 +562,17 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
     PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.pool_done, stream));
     last_pool_done = slot.pool_done;
   }
-  if (slot.timed) {
-    PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.host_out, slot.dev_out, OutputBytes(b),
-                                            cudaMemcpyDeviceToHost, stream));
+  if (slot.timed && slot.out != Slot::Out::kKernelWrites) {
+    OutputRuns(batch, &runs);
+    if (slot.out == Slot::Out::kCopyToBlocks) {
+      for (const DeviceRun& run : runs) {
+        PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(run.host, slot.dev_out + run.offset, run.bytes,
+                                                cudaMemcpyDeviceToHost, stream));
+      }
+    } else {
+      PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.host_out, slot.dev_out, OutputBytes(b),
+                                              cudaMemcpyDeviceToHost, stream));
+    }
   }
   PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.done, stream));
   return absl::OkStatus();
@@ -526,6 +601,11 @@ absl::Status CudaBackend::Launch(BackendBatch* batch) {
   return absl::OkStatus();
 }
 
+HostBlock CudaBackend::TakeHostBlock(int64_t bytes) {
+  // Only the ring's own lock: no Launch/Wait state is touched, so any thread may call it.
+  return impl_->ring == nullptr ? HostBlock() : impl_->ring->Take(bytes);
+}
+
 bool CudaBackend::Ready(const BackendBatch& batch) {
   Impl& d = *impl_;
   if (!d.failed.ok() || d.in_flight == 0) return true;
@@ -550,16 +630,19 @@ absl::Status CudaBackend::Wait(BackendBatch* batch) {
   }
   batch->kernel_seconds = 0.0;
   batch->pack_seconds = slot.pack_seconds;
+  batch->plan_seconds = slot.plan_seconds;
   if (slot.timed) {
-    const auto unpack_begin = std::chrono::steady_clock::now();
-    const int32_t b = batch->plan.batch_size();
-    d.copies.Clear();
-    for (int32_t i = 0; i < b; ++i) {
-      d.copies.Add(batch->output[i], slot.host_out + i * kQueryBytes, kQueryBytes);
-      d.copies.Add(batch->lse[i], slot.host_out + LseOffset(b) + i * kLseBytes, kLseBytes);
+    if (slot.out == Slot::Out::kCopyAndUnpack) {
+      const auto unpack_begin = std::chrono::steady_clock::now();
+      const int32_t b = batch->plan.batch_size();
+      d.copies.Clear();
+      for (int32_t i = 0; i < b; ++i) {
+        d.copies.Add(batch->output[i], slot.host_out + i * kQueryBytes, kQueryBytes);
+        d.copies.Add(batch->lse[i], slot.host_out + LseOffset(b) + i * kLseBytes, kLseBytes);
+      }
+      d.copies.Run(d.copier.get());
+      batch->unpack_seconds = SecondsSince(unpack_begin);
     }
-    d.copies.Run(d.copier.get());
-    batch->unpack_seconds = SecondsSince(unpack_begin);
     const std::pair<cudaEvent_t, cudaEvent_t> intervals[] = {
         {slot.start, slot.stop}, {slot.begin, slot.start}, {slot.stop, slot.done}};
     double* const seconds[] = {&batch->kernel_seconds, &batch->device_in_seconds,

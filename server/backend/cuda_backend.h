@@ -7,6 +7,7 @@
 //     arena (pinned host + device copy, StagingCapacity::ArenaBytes: q rows, kv_indices, page
 //     copies, token slots and K/V rows of one round), an output buffer (pinned host + device,
 //     output rows then lse rows), six events and (stream_per_slot) a stream.
+//   - once: a pinned HostRing (Options::host_ring_bytes) that TakeHostBlock hands out.
 // A Launch plans the batch (the decoder's Plan, whose table copy goes first), packs it into its
 // slot's pinned arena (the copies spread over copy_threads host threads when large, with
 // non-temporal stores, see copy_list.h) and enqueues, on its slot's stream
@@ -21,7 +22,10 @@
 // Launch waits for the previous round to finish on the stream (a host stall that only the rare
 // over-capacity batch, such as a long prefill, pays). Wait polls the slot's done event
 // (spinning first, then sleeping between polls) and copies the outputs into the batch's rows;
-// kernel_seconds is the event time of the attention.
+// kernel_seconds is the event time of the attention. A batch whose q, K and V rows all lie in
+// host blocks of the ring skips the packing of its rows: they are copied from the blocks to the
+// arena's device copy (one copy per run), and its outputs from the device straight into the
+// blocks, when each direction takes at most kMaxDirectRuns copies.
 //
 // Errors: a bad batch (a page id, slot or size out of range) is INTERNAL and changes nothing.
 // Any CUDA error (or a batch not done within wait_timeout_ms) is INTERNAL with the CUDA error
@@ -55,7 +59,19 @@ class CudaBackend final : public Backend {
     // Each in-flight slot on its own stream: a batch's input copy overlaps the previous batch's
     // kernels and its output copy the next batch's; false: one stream for all.
     bool stream_per_slot = true;
+    // Pinned host memory for the Decodes' tensors (TakeHostBlock, host_ring.h); 0: none, every
+    // batch is packed by the host. A batch whose rows all lie in it in at most kMaxDirectRuns
+    // runs (a batch of one or two requests) is copied from there straight to the device, and
+    // its outputs straight back; others are packed and unpacked as before.
+    int64_t host_ring_bytes = int64_t{128} << 20;
+    // A batch whose outputs are one run of a host block (a batch of one request): the kernel
+    // writes them there itself (mapped pinned memory), so no copy back follows it. false: they
+    // are copied back from the device like any other direct batch's.
+    bool kernel_writes_outputs = true;
   };
+  // Most copies in one direction for which a batch skips the host packing: a copy costs a few
+  // microseconds to issue, packing 64 rows of 6 KiB a few tens.
+  static constexpr int32_t kMaxDirectRuns = 8;
 
   // INVALID_ARGUMENT for bad options; UNAVAILABLE without a device; FAILED_PRECONDITION when
   // the device is not compute capability 9.0. Allocates nothing (Init does).
@@ -86,6 +102,7 @@ class CudaBackend final : public Backend {
   // cudaEventQuery of the batch's done event (true also when failed or out of order: Wait
   // reports that).
   bool Ready(const BackendBatch& batch) override;
+  HostBlock TakeHostBlock(int64_t bytes) override;
 
   // Bytes of device memory Init takes beyond the pool (staging, outputs, decoder workspaces).
   int64_t staging_device_bytes() const;

@@ -40,18 +40,20 @@ int64_t StagingCapacity::OutputBytes() const { return pagedattn::OutputBytes(max
 RoundLayout LayoutRound(int32_t sequences, int64_t kv_indices, int64_t copies, int64_t tokens) {
   RoundLayout l;
   int64_t at = 0;
+  static_assert(kQueryBytes % RoundLayout::kAlignment == 0 && kRowBytes % RoundLayout::kAlignment == 0,
+                "rows back to back");
   l.q = at;
   at = AlignUp(at + int64_t{sequences} * kQueryBytes);
+  l.k_rows = at;
+  at = AlignUp(at + tokens * kRowBytes);
+  l.v_rows = at;
+  at = AlignUp(at + tokens * kRowBytes);
   l.indices = at;
   at = AlignUp(at + kv_indices * static_cast<int64_t>(sizeof(int32_t)));
   l.copies = at;
   at = AlignUp(at + copies * static_cast<int64_t>(sizeof(PageCopy)));
   l.slots = at;
-  at = AlignUp(at + tokens * static_cast<int64_t>(sizeof(int64_t)));
-  l.k_rows = at;
-  at = AlignUp(at + tokens * kRowBytes);
-  l.v_rows = at;
-  l.bytes = at + tokens * kRowBytes;
+  l.bytes = at + tokens * static_cast<int64_t>(sizeof(int64_t));
   return l;
 }
 
@@ -105,10 +107,14 @@ void PackTokens(const BackendBatch& batch, int64_t count, TokenCursor* cursor, i
     if (n > 0) {
       copies->Add(slots + done, batch.write_slots.data() + w.slot_begin + cursor->offset,
                   n * sizeof(int64_t));
-      copies->Add(k_rows + done * k::kTokenElems, w.k + int64_t{cursor->offset} * k::kTokenElems,
-                  n * kRowBytes);
-      copies->Add(v_rows + done * k::kTokenElems, w.v + int64_t{cursor->offset} * k::kTokenElems,
-                  n * kRowBytes);
+      if (k_rows != nullptr) {
+        copies->Add(k_rows + done * k::kTokenElems, w.k + int64_t{cursor->offset} * k::kTokenElems,
+                    n * kRowBytes);
+      }
+      if (v_rows != nullptr) {
+        copies->Add(v_rows + done * k::kTokenElems, w.v + int64_t{cursor->offset} * k::kTokenElems,
+                    n * kRowBytes);
+      }
       done += n;
       cursor->offset += static_cast<int32_t>(n);
     }
@@ -117,6 +123,53 @@ void PackTokens(const BackendBatch& batch, int64_t count, TokenCursor* cursor, i
       cursor->offset = 0;
     }
   }
+}
+
+void AddRun(const void* host, int64_t offset, int64_t bytes, std::vector<DeviceRun>* runs) {
+  if (bytes == 0) return;
+  char* const h = const_cast<char*>(static_cast<const char*>(host));
+  if (!runs->empty()) {
+    DeviceRun& last = runs->back();
+    if (last.host + last.bytes == h && last.offset + last.bytes == offset) {
+      last.bytes += bytes;
+      return;
+    }
+  }
+  runs->push_back(DeviceRun{h, offset, bytes});
+}
+
+void RowRuns(const BackendBatch& batch, int32_t seq_begin, int32_t ns, int64_t count,
+             TokenCursor cursor, const RoundLayout& l, std::vector<DeviceRun>* runs) {
+  runs->clear();
+  for (int32_t s = 0; s < ns; ++s) {
+    AddRun(batch.q[seq_begin + s], l.q + int64_t{s} * kQueryBytes, kQueryBytes, runs);
+  }
+  // K rows of all `count` tokens, then their V rows: two walks from the same cursor.
+  for (const bool k_side : {true, false}) {
+    TokenCursor c = cursor;
+    int64_t done = 0;
+    const int64_t base = k_side ? l.k_rows : l.v_rows;
+    while (done < count) {
+      const TokenWrite& w = batch.writes[c.write];
+      const int64_t n = std::min<int64_t>(count - done, w.num_tokens - c.offset);
+      const uint16_t* src = (k_side ? w.k : w.v) + int64_t{c.offset} * k::kTokenElems;
+      AddRun(src, base + done * kRowBytes, n * kRowBytes, runs);
+      done += n;
+      c.offset += static_cast<int32_t>(n);
+      if (c.offset == w.num_tokens) {
+        ++c.write;
+        c.offset = 0;
+      }
+    }
+  }
+}
+
+void OutputRuns(const BackendBatch& batch, std::vector<DeviceRun>* runs) {
+  runs->clear();
+  const int32_t b = batch.plan.batch_size();
+  for (int32_t i = 0; i < b; ++i) AddRun(batch.output[i], int64_t{i} * kQueryBytes, kQueryBytes, runs);
+  constexpr int64_t kLseBytes = k::kNumQoHeads * sizeof(float);
+  for (int32_t i = 0; i < b; ++i) AddRun(batch.lse[i], LseOffset(b) + i * kLseBytes, kLseBytes, runs);
 }
 
 int64_t PagesThatFit(int64_t budget_bytes, int64_t fixed_bytes, int64_t bytes_per_page,

@@ -43,16 +43,19 @@ struct StagingCapacity {
   int64_t OutputBytes() const;
 };
 
-// Where each part of a round lies in the arena; every offset is a multiple of kAlignment.
+// Where each part of a round lies in the arena; every offset is a multiple of kAlignment. The
+// rows come first and back to back (q, then K, then V rows, each a whole number of 128-byte
+// units), in the order of the engine's host block (engine.cc), so that the rows of a batch of
+// one request are one run of bytes in both; the tables (indices, copies, slots) follow.
 struct RoundLayout {
   static constexpr int64_t kAlignment = 128;
   int64_t q = 0;        // bf16 [sequences, 24, 128]
+  int64_t k_rows = 0;   // bf16 [tokens, 4, 128]
+  int64_t v_rows = 0;   // bf16 [tokens, 4, 128]
   int64_t indices = 0;  // int32 [kv_indices]
   int64_t copies = 0;   // PageCopy [copies] (int32 src, dst)
   int64_t slots = 0;    // int64 [tokens]
-  int64_t k_rows = 0;   // bf16 [tokens, 4, 128]
-  int64_t v_rows = 0;   // bf16 [tokens, 4, 128]
-  int64_t bytes = 0;    // what the round's one host-to-device copy moves
+  int64_t bytes = 0;    // the whole round: [0, indices) rows, [indices, bytes) tables
 };
 RoundLayout LayoutRound(int32_t sequences, int64_t kv_indices, int64_t copies, int64_t tokens);
 
@@ -90,9 +93,32 @@ struct TokenCursor {
 
 // Adds to `copies` the packing of the next `count` written tokens at *cursor into slots
 // [count], k_rows and v_rows [count, 4, 128], and advances the cursor (the bytes move when the
-// caller runs the list). The caller asks for no more tokens than are left.
+// caller runs the list). The caller asks for no more tokens than are left. With k_rows and
+// v_rows null only the slots are packed (the rows travel as DeviceRuns).
 void PackTokens(const BackendBatch& batch, int64_t count, TokenCursor* cursor, int64_t* slots,
                 uint16_t* k_rows, uint16_t* v_rows, CopyList* copies);
+
+// Bytes that move between host memory and a device buffer in one copy: `bytes` at `host` and
+// at `offset` in the buffer.
+struct DeviceRun {
+  char* host = nullptr;
+  int64_t offset = 0;
+  int64_t bytes = 0;
+};
+
+// Appends a piece to `runs`, extending the last run instead when the piece continues it on both
+// sides (host and buffer). 0 bytes: no-op.
+void AddRun(const void* host, int64_t offset, int64_t bytes, std::vector<DeviceRun>* runs);
+
+// The runs of a round's rows in the arena (layout l): q rows of sequences [seq_begin,
+// seq_begin + ns) of batch.q, then the K rows and the V rows of the next `count` written tokens
+// from `cursor` (which is not advanced). `runs` is cleared first.
+void RowRuns(const BackendBatch& batch, int32_t seq_begin, int32_t ns, int64_t count,
+             TokenCursor cursor, const RoundLayout& l, std::vector<DeviceRun>* runs);
+
+// The runs of a batch's outputs in the output buffer: output rows to batch.output, then lse rows
+// to batch.lse (see OutputBytes). `runs` is cleared first.
+void OutputRuns(const BackendBatch& batch, std::vector<DeviceRun>* runs);
 
 // Pages per layer that fit in budget_bytes: each page costs bytes_per_page (K and V of every
 // layer, and whatever staging grows with the pool), after fixed_bytes; clamped so that

@@ -17,6 +17,7 @@
 #include "absl/time/clock.h"
 #include "pagedattn/kernels/decode.h"
 #include "server/backend/backend.h"
+#include "server/backend/copy_list.h"
 #include "server/batch/batcher.h"
 #include "server/batch/planner.h"
 #include "server/kv/block_allocator.h"
@@ -33,10 +34,32 @@ constexpr int64_t kQueryBytes = k::kQueryElems * sizeof(uint16_t);
 constexpr int64_t kTokenBytes = k::kTokenElems * sizeof(uint16_t);
 constexpr int64_t kLseBytes = k::kNumQoHeads * sizeof(float);
 
+// Where a Decode's tensors lie in its host block (Backend::TakeHostBlock): q, k and v rows (k
+// and v only for a step), then the output and lse rows. For a batch made of one request, q, k
+// and v are then one run of bytes, as are output and lse (the CUDA backend's arena and output
+// buffer have the same order), so the device moves each direction in one copy.
+struct BlockLayout {
+  int64_t q = 0, k = 0, v = 0, output = 0, lse = 0, bytes = 0;
+};
+
+BlockLayout LayoutBlock(int64_t b, bool kv) {
+  BlockLayout l;
+  l.k = b * kQueryBytes;
+  l.v = l.k + (kv ? b * kTokenBytes : 0);
+  l.output = l.v + (kv ? b * kTokenBytes : 0);
+  l.lse = l.output + b * kQueryBytes;
+  l.bytes = l.lse + b * kLseBytes;
+  return l;
+}
+
 // A queued Decode or Append, with its result once applied.
 struct WorkItem final : BatchItem {
   bool is_decode = true;
   DecodeWork decode;
+  bool decode_kv = false;  // the Decode appends a token (its k and v are given)
+  // The Decode's tensors when the backend gave it a host block (else in `decode` and `output`).
+  HostBlock block;
+  BlockLayout layout;
   Engine::DecodeDone decode_done;
   AppendWork append;
   Engine::AppendDone append_done;
@@ -52,6 +75,12 @@ struct WorkItem final : BatchItem {
   void Complete() {
     if (is_decode) {
       if (!decode_done) return;
+      if (status.ok() && block) {
+        const int64_t b = static_cast<int64_t>(decode.sequence_ids.size());
+        output.output.assign(block.data() + layout.output, b * kQueryBytes);
+        output.lse.assign(block.data() + layout.lse, b * kLseBytes);
+      }
+      block.Reset();  // back to the ring before the response goes out
       if (status.ok()) {
         decode_done(std::move(output));
       } else {
@@ -102,6 +131,8 @@ class Engine::Impl {
  private:
   absl::Status ValidateDecode(const DecodeWork& work) const;
   absl::Status ValidateAppend(const AppendWork& work) const;
+  // Moves a validated Decode's tensors into a host block of the backend, when it gives one.
+  void ReceiveIntoBlock(WorkItem* item);
   // Admission: queues the item or completes it at once (UNAVAILABLE).
   void Admit(std::unique_ptr<WorkItem> item);
 
@@ -140,6 +171,7 @@ class Engine::Impl {
   void RecordStagingStages(const BackendBatch& batch) {
     if (metrics_ == nullptr) return;
     const std::pair<Metrics::Stage, double> parts[] = {
+        {Metrics::Stage::kPlan, batch.plan_seconds},
         {Metrics::Stage::kPack, batch.pack_seconds},
         {Metrics::Stage::kUnpack, batch.unpack_seconds},
         {Metrics::Stage::kDeviceIn, batch.device_in_seconds},
@@ -360,6 +392,7 @@ void Engine::Impl::Decode(DecodeWork work, DecodeDone done) {
     if (work.sm_scale == 0.0f) work.sm_scale = 1.0f / std::sqrt(static_cast<float>(k::kHeadDim));
     item->num_sequences = static_cast<int32_t>(work.sequence_ids.size());
     item->sm_scale = work.sm_scale;
+    item->decode_kv = !work.k.empty();
   }
   item->decode = std::move(work);
   item->decode_done = std::move(done);
@@ -367,7 +400,29 @@ void Engine::Impl::Decode(DecodeWork work, DecodeDone done) {
     item->Complete();
     return;
   }
+  ReceiveIntoBlock(item.get());
   Admit(std::move(item));
+}
+
+void Engine::Impl::ReceiveIntoBlock(WorkItem* item) {
+  DecodeWork& w = item->decode;
+  const BlockLayout l = LayoutBlock(static_cast<int64_t>(w.sequence_ids.size()), item->decode_kv);
+  HostBlock block = backend_->TakeHostBlock(l.bytes);
+  if (metrics_ != nullptr) metrics_->RecordDecodeReceive(static_cast<bool>(block));
+  if (!block) return;
+  const absl::Time begin = absl::Now();
+  // The block's next reader is the device (a DMA), so the stores skip the caches.
+  CopyForDevice(block.data() + l.q, w.q.data(), w.q.size());
+  if (item->decode_kv) {
+    CopyForDevice(block.data() + l.k, w.k.data(), w.k.size());
+    CopyForDevice(block.data() + l.v, w.v.data(), w.v.size());
+  }
+  RecordStage(Metrics::Stage::kReceive, begin, absl::Now());
+  std::string().swap(w.q);
+  std::string().swap(w.k);
+  std::string().swap(w.v);
+  item->block = std::move(block);
+  item->layout = l;
 }
 
 void Engine::Impl::Append(AppendWork work, AppendDone done) {
@@ -593,7 +648,7 @@ void Engine::Impl::Prepare(InFlight* in) {
 
 absl::Status Engine::Impl::ApplyDecode(WorkItem* item, BackendBatch* batch) {
   DecodeWork& w = item->decode;
-  const bool step = !w.k.empty();
+  const bool step = item->decode_kv;
   // Check every sequence, and the pages all of them need, before changing anything.
   int64_t needed = 0;
   for (uint64_t id : w.sequence_ids) {
@@ -611,13 +666,29 @@ absl::Status Engine::Impl::ApplyDecode(WorkItem* item, BackendBatch* batch) {
   }
   const int64_t b = static_cast<int64_t>(w.sequence_ids.size());
   item->output.request_id = w.request_id;
-  item->output.output.resize(b * kQueryBytes);
-  item->output.lse.resize(b * kLseBytes);
-  const auto* q = reinterpret_cast<const uint16_t*>(w.q.data());
-  const auto* kk = reinterpret_cast<const uint16_t*>(w.k.data());
-  const auto* vv = reinterpret_cast<const uint16_t*>(w.v.data());
-  auto* out = reinterpret_cast<uint16_t*>(item->output.output.data());
-  auto* lse = reinterpret_cast<float*>(item->output.lse.data());
+  const char* q_bytes = w.q.data();
+  const char* k_bytes = w.k.data();
+  const char* v_bytes = w.v.data();
+  char* out_bytes;
+  char* lse_bytes;
+  if (item->block) {
+    char* const base = item->block.data();
+    q_bytes = base + item->layout.q;
+    k_bytes = base + item->layout.k;
+    v_bytes = base + item->layout.v;
+    out_bytes = base + item->layout.output;
+    lse_bytes = base + item->layout.lse;
+  } else {
+    item->output.output.resize(b * kQueryBytes);
+    item->output.lse.resize(b * kLseBytes);
+    out_bytes = item->output.output.data();
+    lse_bytes = item->output.lse.data();
+  }
+  const auto* q = reinterpret_cast<const uint16_t*>(q_bytes);
+  const auto* kk = reinterpret_cast<const uint16_t*>(k_bytes);
+  const auto* vv = reinterpret_cast<const uint16_t*>(v_bytes);
+  auto* out = reinterpret_cast<uint16_t*>(out_bytes);
+  auto* lse = reinterpret_cast<float*>(lse_bytes);
   for (int64_t i = 0; i < b; ++i) {
     const uint64_t id = w.sequence_ids[i];
     int64_t tokens;

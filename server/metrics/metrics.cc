@@ -47,6 +47,10 @@ std::string_view Metrics::StageName(Stage stage) {
       return "device_in";
     case Stage::kDeviceOut:
       return "device_out";
+    case Stage::kReceive:
+      return "receive";
+    case Stage::kPlan:
+      return "launch_plan";
   }
   return "unknown";
 }
@@ -65,6 +69,13 @@ Metrics::Metrics()
                     .Name("pagedattn_rejected_requests_total")
                     .Help("Work refused or dropped before compute, by reason")
                     .Register(*registry_)),
+      decode_receive_(prometheus::BuildCounter()
+                          .Name("pagedattn_decode_receive_total")
+                          .Help("Decodes admitted, by where their tensors went: host_block (the "
+                                "backend's pinned ring) or request (their own memory)")
+                          .Register(*registry_)),
+      received_into_block_(decode_receive_.Add({{"into", "host_block"}})),
+      received_into_request_(decode_receive_.Add({{"into", "request"}})),
       queue_duration_(prometheus::BuildHistogram()
                           .Name("pagedattn_queue_duration_seconds")
                           .Help("Time a work item waited in the queue before its batch launched")
@@ -120,11 +131,12 @@ Metrics::Metrics()
   auto& stages = prometheus::BuildHistogram()
                      .Name("pagedattn_stage_duration_seconds")
                      .Help("Server time by stage: to_work per request; prepare, launch, wait, "
-                           "callbacks, release per batch on the engine's executor; launch_pack "
-                           "and wait_unpack (host copies through the staging buffers, parts of "
+                           "callbacks, release per batch on the engine's executor; launch_plan "
+                           "(the kernel's work plan), launch_pack and wait_unpack (host copies through the staging buffers, parts of "
                            "launch and wait), device_in (on the device: a batch's input copy "
                            "to its attention) and device_out (its attention's end to the "
-                           "outputs in host memory) per batch of a staging backend")
+                           "outputs in host memory) per batch of a staging backend; receive "
+                           "(a Decode's tensors copied into a pinned host block, per request)")
                      .Register(*registry_);
   for (int i = 0; i < kNumStages; ++i) {
     stage_duration_[i] =
@@ -160,6 +172,10 @@ void Metrics::RecordBatchDuration(double seconds) { batch_duration_.Observe(seco
 
 void Metrics::RecordStage(Stage stage, double seconds) {
   stage_duration_[static_cast<int>(stage)]->Observe(seconds);
+}
+
+void Metrics::RecordDecodeReceive(bool into_host_block) {
+  (into_host_block ? received_into_block_ : received_into_request_).Increment();
 }
 
 void Metrics::RecordRejected(std::string_view reason) {

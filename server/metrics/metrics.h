@@ -29,8 +29,10 @@ class Metrics {
   // (Backend::Wait: until the outputs are in host memory), kCallbacks (every item's
   // completion callback, which hands the response to gRPC), kRelease (freeing the batch's
   // work items).
-  // kPack and kUnpack are parts of kLaunch and kWait; kDeviceIn and kDeviceOut are measured on
+  // kPlan (the kernel's work plan on the host), kPack and kUnpack are parts of kLaunch and kWait; kDeviceIn and kDeviceOut are measured on
   // the device (CUDA events). The last four only with a backend that stages (the CUDA one).
+  // kReceive: per Decode that got a host block (Backend::TakeHostBlock), the copy of its
+  // tensors into the block on the caller's thread, before admission.
   enum class Stage {
     kToWork,
     kPrepare,
@@ -41,9 +43,11 @@ class Metrics {
     kPack,
     kUnpack,
     kDeviceIn,
-    kDeviceOut
+    kDeviceOut,
+    kReceive,
+    kPlan
   };
-  static constexpr int kNumStages = 10;
+  static constexpr int kNumStages = 12;
   static std::string_view StageName(Stage stage);
 
   Metrics();
@@ -65,6 +69,10 @@ class Metrics {
   void RecordBatchDuration(double seconds);
   // pagedattn_stage_duration_seconds{stage}.
   void RecordStage(Stage stage, double seconds);
+  // pagedattn_decode_receive_total{into}: Decodes admitted, by where their tensors went:
+  // host_block (the backend's pinned ring) or request (their own memory: the backend has no ring,
+  // or it was full).
+  void RecordDecodeReceive(bool into_host_block);
   // pagedattn_rejected_requests_total{reason}: queue_full, shutting_down, deadline_exceeded,
   // cancelled, pool_exhausted, unauthenticated.
   void RecordRejected(std::string_view reason);
@@ -83,6 +91,9 @@ class Metrics {
   prometheus::Family<prometheus::Counter>& requests_;
   prometheus::Family<prometheus::Histogram>& request_duration_;
   prometheus::Family<prometheus::Counter>& rejected_;
+  prometheus::Family<prometheus::Counter>& decode_receive_;
+  prometheus::Counter& received_into_block_;
+  prometheus::Counter& received_into_request_;
   prometheus::Histogram& queue_duration_;
   prometheus::Histogram& batch_size_;
   prometheus::Histogram& kernel_duration_;

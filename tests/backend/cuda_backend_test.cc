@@ -13,12 +13,15 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "pagedattn/kernels/decode.h"
+#include "prometheus/text_serializer.h"
 #include "server/backend/cpu_backend.h"
 #include "server/engine/engine.h"
+#include "server/metrics/metrics.h"
 #include "tests/backend/test_util.h"
 
 namespace pagedattn {
@@ -387,6 +390,8 @@ TEST(CudaBackendCreateTest, RejectsBadOptionsAndShapes) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(CudaBackend::Create({.device = 1000}).status().code(),
             absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CudaBackend::Create({.host_ring_bytes = -1}).status().code(),
+            absl::StatusCode::kInvalidArgument);
   auto backend = CudaBackend::Create({});
   ASSERT_TRUE(backend.ok());
   EXPECT_EQ((*backend)->Init({.num_layers = 0, .num_pages = 8, .max_batch_size = 4}).code(),
@@ -443,17 +448,35 @@ void ExpectSameDecode(const DecodeOutput& cpu, const DecodeOutput& gpu, int32_t 
   ExpectSameOutputs(co.data(), cl.data(), go.data(), gl.data(), b, what);
 }
 
-TEST(CudaEngineTest, TheEngineGivesTheSameResultsOnBothBackends) {
+// The parameters: the CUDA backend's host ring (host_ring_bytes) and kernel_writes_outputs.
+// No ring: every batch packed by the host. The default ring: a batch of one request has its
+// rows copied straight from its block and its outputs written there by the kernel (or copied
+// back, without kernel_writes_outputs), a batch of two requests is copied both ways, a larger
+// one (over kMaxDirectRuns copies) packed from the blocks. 64 KiB: room for two attend-only
+// Decodes of 2 sequences and none of the 5-sequence steps: batches mix blocks and request memory.
+class CudaEngineTest : public ::testing::TestWithParam<std::tuple<int64_t, bool>> {};
+
+constexpr int64_t kDefaultRing = CudaBackend::Options{}.host_ring_bytes;
+INSTANTIATE_TEST_SUITE_P(HostRing, CudaEngineTest,
+                         ::testing::Values(std::make_tuple(int64_t{0}, true),
+                                           std::make_tuple(kDefaultRing, true),
+                                           std::make_tuple(kDefaultRing, false),
+                                           std::make_tuple(int64_t{64} << 10, true)));
+
+TEST_P(CudaEngineTest, TheEngineGivesTheSameResultsOnBothBackends) {
   SKIP_WITHOUT_DEVICE();
   const Engine::Options options{.num_layers = 2, .num_pages = 64, .max_batch_size = 8,
                                 .max_queue_delay = absl::Microseconds(100)};
   auto cpu_backend = CpuBackend::Create({.num_threads = 2});
   ASSERT_TRUE(cpu_backend.ok());
-  auto gpu_backend = CudaBackend::Create({.staged_tokens = 100});
+  auto gpu_backend = CudaBackend::Create({.staged_tokens = 100,
+                                          .host_ring_bytes = std::get<0>(GetParam()),
+                                          .kernel_writes_outputs = std::get<1>(GetParam())});
   ASSERT_TRUE(gpu_backend.ok());
   auto cpu = Engine::Create(options, *std::move(cpu_backend), nullptr);
   ASSERT_TRUE(cpu.ok()) << cpu.status();
-  auto gpu = Engine::Create(options, *std::move(gpu_backend), nullptr);
+  Metrics metrics;
+  auto gpu = Engine::Create(options, *std::move(gpu_backend), &metrics);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   Engine* engines[2] = {cpu->get(), gpu->get()};
   EXPECT_EQ(engines[1]->config().backend, "cuda");
@@ -518,6 +541,19 @@ TEST(CudaEngineTest, TheEngineGivesTheSameResultsOnBothBackends) {
   }
   EXPECT_TRUE(engines[1]->health().ok());
   EXPECT_GT(engines[1]->GetStats().batches, 0);
+  // Where the 46 Decodes' tensors went: all into the ring, none, or some.
+  const std::string text = prometheus::TextSerializer().Serialize(metrics.registry()->Collect());
+  const int64_t ring = std::get<0>(GetParam());
+  const std::string all_in_blocks = "pagedattn_decode_receive_total{into=\"host_block\"} 46";
+  const std::string none_in_blocks = "pagedattn_decode_receive_total{into=\"host_block\"} 0";
+  if (ring == 0) {
+    EXPECT_NE(text.find(none_in_blocks), std::string::npos) << text;
+  } else if (ring == kDefaultRing) {
+    EXPECT_NE(text.find(all_in_blocks), std::string::npos) << text;
+  } else {
+    EXPECT_EQ(text.find(none_in_blocks), std::string::npos) << text;
+    EXPECT_EQ(text.find(all_in_blocks), std::string::npos) << text;
+  }
 }
 
 }  // namespace

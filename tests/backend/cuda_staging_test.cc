@@ -85,13 +85,14 @@ TEST(RoundLayoutTest, PartsAreAlignedAndDisjoint) {
   for (int64_t off : {l.q, l.indices, l.copies, l.slots, l.k_rows, l.v_rows}) {
     EXPECT_EQ(off % RoundLayout::kAlignment, 0);
   }
+  // The rows back to back (one run for a batch of one request), then the tables.
   EXPECT_EQ(l.q, 0);
-  EXPECT_GE(l.indices, 3 * k::kQueryElems * 2);
+  EXPECT_EQ(l.k_rows, 3 * k::kQueryElems * 2);
+  EXPECT_EQ(l.v_rows, l.k_rows + 11 * k::kTokenElems * 2);
+  EXPECT_EQ(l.indices, l.v_rows + 11 * k::kTokenElems * 2);
   EXPECT_GE(l.copies, l.indices + 7 * 4);
   EXPECT_GE(l.slots, l.copies + 5 * 8);
-  EXPECT_GE(l.k_rows, l.slots + 11 * 8);
-  EXPECT_GE(l.v_rows, l.k_rows + 11 * k::kTokenElems * 2);
-  EXPECT_EQ(l.bytes, l.v_rows + 11 * k::kTokenElems * 2);
+  EXPECT_EQ(l.bytes, l.slots + 11 * 8);
 }
 
 TEST(RoundLayoutTest, EmptyPartsTakeNoSpace) {
@@ -220,6 +221,106 @@ TEST(PackTokensTest, PacksWritesInOrderAcrossRounds) {
   EXPECT_EQ(kk, want_k);
   EXPECT_EQ(vv, want_v);
   EXPECT_EQ(cursor.write, 3u);
+}
+
+TEST(PackTokensTest, WithoutRowBuffersPacksOnlyTheSlots) {
+  const std::vector<uint16_t> k1 = Rows(3, 100), v1 = Rows(3, 200);
+  BackendBatch batch;
+  batch.write_slots = {50, 51, 52};
+  batch.writes.push_back({k1.data(), v1.data(), 3, 0});
+  TokenCursor cursor;
+  std::vector<int64_t> s(3);
+  CopyList copies;
+  PackTokens(batch, 3, &cursor, s.data(), nullptr, nullptr, &copies);
+  EXPECT_EQ(copies.bytes(), 3 * sizeof(int64_t));
+  copies.Run(nullptr);
+  EXPECT_EQ(s, batch.write_slots);
+}
+
+TEST(DeviceRunsTest, AddRunJoinsPiecesContiguousOnBothSides) {
+  std::vector<char> host(1000);
+  std::vector<DeviceRun> runs;
+  AddRun(host.data(), 0, 100, &runs);
+  AddRun(host.data() + 100, 100, 50, &runs);   // continues both: joined
+  AddRun(host.data() + 150, 300, 50, &runs);   // host continues, buffer does not
+  AddRun(host.data() + 400, 350, 10, &runs);   // buffer continues, host does not
+  AddRun(host.data() + 410, 360, 0, &runs);    // empty: nothing
+  ASSERT_EQ(runs.size(), 3u);
+  EXPECT_EQ(runs[0].host, host.data());
+  EXPECT_EQ(runs[0].offset, 0);
+  EXPECT_EQ(runs[0].bytes, 150);
+  EXPECT_EQ(runs[1].offset, 300);
+  EXPECT_EQ(runs[2].host, host.data() + 400);
+  EXPECT_EQ(runs[2].bytes, 10);
+}
+
+// A request's block laid out as the engine lays it out: q rows, K rows, V rows back to back.
+TEST(DeviceRunsTest, ABatchOfOneRequestBlockIsOneRowRunAndOneOutputRun) {
+  constexpr int32_t b = 3;
+  constexpr int64_t q_bytes = k::kQueryElems * 2, row_bytes = k::kTokenElems * 2;
+  std::vector<char> block(b * (2 * q_bytes + 2 * row_bytes) + b * k::kNumQoHeads * 4);
+  char* const q = block.data();
+  char* const kk = q + b * q_bytes;
+  char* const vv = kk + b * row_bytes;
+  char* const out = vv + b * row_bytes;
+  char* const lse = out + b * q_bytes;
+  BackendBatch batch;
+  for (int32_t i = 0; i < b; ++i) {
+    batch.q.push_back(reinterpret_cast<const uint16_t*>(q + i * q_bytes));
+    batch.output.push_back(reinterpret_cast<uint16_t*>(out + i * q_bytes));
+    batch.lse.push_back(reinterpret_cast<float*>(lse + i * k::kNumQoHeads * 4));
+    batch.writes.push_back({reinterpret_cast<const uint16_t*>(kk + i * row_bytes),
+                            reinterpret_cast<const uint16_t*>(vv + i * row_bytes), 1, i});
+    batch.write_slots.push_back(64 * i);
+    batch.plan.kv_indptr.push_back(i);
+    batch.plan.kv_last_page_len.push_back(1);
+    batch.plan.kv_indices.push_back(i);
+  }
+  batch.plan.kv_indptr.push_back(b);
+  ASSERT_EQ(batch.plan.batch_size(), b);
+  const RoundLayout l = LayoutRound(b, b, 0, b);
+  std::vector<DeviceRun> runs;
+  RowRuns(batch, 0, b, b, TokenCursor{}, l, &runs);
+  ASSERT_EQ(runs.size(), 1u);
+  EXPECT_EQ(runs[0].host, q);
+  EXPECT_EQ(runs[0].offset, 0);
+  EXPECT_EQ(runs[0].bytes, l.indices);
+  OutputRuns(batch, &runs);
+  ASSERT_EQ(runs.size(), 1u);
+  EXPECT_EQ(runs[0].host, out);
+  EXPECT_EQ(runs[0].offset, 0);
+  EXPECT_EQ(runs[0].bytes, OutputBytes(b));
+}
+
+TEST(DeviceRunsTest, RowsOfSeveralSourcesAreOneRunPerSourcePiece) {
+  // Two requests' rows in separate memory, and the second round of a split batch.
+  const std::vector<uint16_t> q1(2 * k::kQueryElems), q2(1 * k::kQueryElems);
+  const std::vector<uint16_t> k1 = Rows(2, 1), v1 = Rows(2, 2), k2 = Rows(1, 3), v2 = Rows(1, 4);
+  BackendBatch batch;
+  batch.q = {q1.data(), q1.data() + k::kQueryElems, q2.data()};
+  batch.writes.push_back({k1.data(), v1.data(), 2, 0});
+  batch.writes.push_back({k2.data(), v2.data(), 1, 2});
+  const RoundLayout l = LayoutRound(3, 0, 0, 3);
+  std::vector<DeviceRun> runs;
+  RowRuns(batch, 0, 3, 3, TokenCursor{}, l, &runs);
+  // q: 2 runs; K: 2; V: 2.
+  ASSERT_EQ(runs.size(), 6u);
+  EXPECT_EQ(runs[0].bytes, 2 * k::kQueryElems * 2);
+  EXPECT_EQ(runs[2].host, reinterpret_cast<const char*>(k1.data()));
+  EXPECT_EQ(runs[2].offset, l.k_rows);
+  EXPECT_EQ(runs[3].offset, l.k_rows + 2 * k::kTokenElems * 2);
+  EXPECT_EQ(runs[4].host, reinterpret_cast<const char*>(v1.data()));
+  EXPECT_EQ(runs[4].offset, l.v_rows);
+  int64_t bytes = 0;
+  for (const DeviceRun& r : runs) bytes += r.bytes;
+  EXPECT_EQ(bytes, l.indices);
+  // From a cursor inside the first write: one token of it, then the second write.
+  const RoundLayout l2 = LayoutRound(0, 0, 0, 2);
+  RowRuns(batch, 3, 0, 2, TokenCursor{.write = 0, .offset = 1}, l2, &runs);
+  ASSERT_EQ(runs.size(), 4u);
+  EXPECT_EQ(runs[0].host, reinterpret_cast<const char*>(k1.data() + k::kTokenElems));
+  EXPECT_EQ(runs[1].host, reinterpret_cast<const char*>(k2.data()));
+  EXPECT_EQ(runs[1].offset, l2.k_rows + k::kTokenElems * 2);
 }
 
 class ValidateBatchTest : public ::testing::Test {

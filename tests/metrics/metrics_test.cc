@@ -120,7 +120,8 @@ TEST(MetricsTest, StagesAreHistogramsByStageName) {
   EXPECT_NE(text.find("pagedattn_stage_duration_seconds_count{stage=\"to_work\"} 1"), std::string::npos);
   // Every stage is exported from the start (zero counts), so dashboards see the series at once.
   for (const char* stage : {"to_work", "prepare", "launch", "wait", "callbacks", "release",
-                            "launch_pack", "wait_unpack", "device_in", "device_out"}) {
+                            "launch_pack", "wait_unpack", "device_in", "device_out", "receive",
+                            "launch_plan"}) {
     EXPECT_NE(text.find(std::string("pagedattn_stage_duration_seconds_count{stage=\"") + stage + "\"}"),
               std::string::npos)
         << stage;
