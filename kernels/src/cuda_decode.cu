@@ -45,6 +45,9 @@ struct CudaDecoder::Impl {
   cudaEvent_t copy_done = nullptr;
   bool copy_pending = false;
   bool planned = false;
+  // The tables of the planned batch: this decoder's own (Plan) or the caller's (PlanInto).
+  const void* run_host_table = nullptr;
+  const void* run_dev_table = nullptr;
   PlanSummary plan;
   PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   CUtensorMap k_map{};
@@ -244,9 +247,32 @@ KernelStatus CudaDecoder::Plan(const int32_t* kv_indptr, const int32_t* kv_last_
                           "cudaMemcpyAsync (plan tables)");
   PA_RETURN_IF_CUDA_ERROR(cudaEventRecord(d.copy_done, stream), "cudaEventRecord");
   d.copy_pending = true;
+  d.run_host_table = d.host_table;
+  d.run_dev_table = d.dev_table;
   d.planned = true;
   return KernelStatus::Ok();
 }
+
+KernelStatus CudaDecoder::PlanInto(const int32_t* kv_indptr, const int32_t* kv_last_page_len,
+                                   int32_t batch_size, void* host_table, void* dev_table,
+                                   size_t* used_bytes) {
+  Impl& d = *impl_;
+  d.planned = false;
+  if (host_table == nullptr || dev_table == nullptr || used_bytes == nullptr ||
+      !Aligned16(host_table) || !Aligned16(dev_table)) {
+    return Invalid("CudaDecoder::PlanInto: null or unaligned table or used_bytes");
+  }
+  KernelStatus st = BuildDecodePlan(kv_indptr, kv_last_page_len, batch_size, d.capacity,
+                                    host_table, &d.plan);
+  if (!st.ok()) return st;
+  *used_bytes = d.plan.used_bytes;
+  d.run_host_table = host_table;
+  d.run_dev_table = dev_table;
+  d.planned = true;
+  return KernelStatus::Ok();
+}
+
+size_t CudaDecoder::table_bytes() const { return impl_->capacity.TableBytes(); }
 
 KernelStatus CudaDecoder::Run(const DecodeArgs& args, CudaStream stream) {
   Impl& d = *impl_;
@@ -292,7 +318,7 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, CudaStream stream) {
     p.k_map = d.k_map;
     p.v_map = d.v_map;
   }
-  const char* table = static_cast<const char*>(d.dev_table);
+  const char* table = static_cast<const char*>(d.run_dev_table);
   p.q = args.q;
   p.k_cache = args.k_cache;
   p.v_cache = args.v_cache;
@@ -323,7 +349,7 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, CudaStream stream) {
   if (d.options.tuning.first_items_in_params) {
     p.first_from_params = 1;
     p.num_parts = d.plan.num_parts;
-    std::memcpy(p.first, static_cast<const char*>(d.host_table) + d.capacity.ItemsOffset(),
+    std::memcpy(p.first, static_cast<const char*>(d.run_host_table) + d.capacity.ItemsOffset(),
                 sizeof(WorkItem) * d.capacity.num_ctas);
   }
 

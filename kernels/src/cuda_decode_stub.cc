@@ -19,6 +19,10 @@ KernelStatus CudaDecoder::Create(const Options&, std::unique_ptr<CudaDecoder>*) 
 KernelStatus CudaDecoder::Plan(const int32_t*, const int32_t*, int32_t, CudaStream) {
   return NoCuda();
 }
+KernelStatus CudaDecoder::PlanInto(const int32_t*, const int32_t*, int32_t, void*, void*, size_t*) {
+  return NoCuda();
+}
+size_t CudaDecoder::table_bytes() const { return 0; }
 KernelStatus CudaDecoder::Run(const DecodeArgs&, CudaStream) { return NoCuda(); }
 void CudaDecoder::SetTimelineForBenchmark(uint64_t*) {}
 int32_t CudaDecoder::num_ctas() const { return 0; }

@@ -352,7 +352,6 @@ absl::Status CudaBackend::Impl::Allocate() {
   PA_CUDA_RETURN_IF_ERROR(cudaMemset(v_pool, 0, pool_bytes));
   PA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&shared_stream, cudaStreamNonBlocking));
 
-  const int64_t arena = cap.ArenaBytes();
   const int64_t out = cap.OutputBytes();
   slots.resize(options.max_in_flight);
   for (Slot& slot : slots) {
@@ -361,6 +360,9 @@ absl::Status CudaBackend::Impl::Allocate() {
     decoder_options.device = options.device;
     decoder_options.num_ctas = options.num_ctas;
     PA_RETURN_IF_ERROR(FromKernel(k::CudaDecoder::Create(decoder_options, &slot.decoder)));
+    // The decoder plans into the arena (PlanInto), so its tables travel in the arena's copy.
+    cap.plan_bytes = static_cast<int64_t>(slot.decoder->table_bytes());
+    const int64_t arena = cap.ArenaBytes();
     e = cudaMallocHost(reinterpret_cast<void**>(&slot.host_in), arena);
     if (e != cudaSuccess) return AllocError("the pinned staging arena", arena, e);
     e = cudaMalloc(reinterpret_cast<void**>(&slot.dev_in), arena);
@@ -446,14 +448,14 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
     if (i > 0) PA_RETURN_IF_ERROR(WaitEvent(slot.staged, "waiting for a staging round"));
     const int32_t ns = r.num_sequences();
     const int64_t ni = ns > 0 ? plan.kv_indptr[r.seq_end] - plan.kv_indptr[r.seq_begin] : 0;
-    const RoundLayout l = LayoutRound(ns, ni, r.num_copies(), r.num_tokens());
+    const RoundLayout l = LayoutRound(ns, ni, r.num_copies(), r.num_tokens(), cap.plan_bytes);
     char* const h = slot.host_in;
     char* const dev = slot.dev_in;
     // The rows straight from the requests' host blocks when they can: their copies go first,
     // so that they run while the host plans and packs the tables. Else the rows are packed with
-    // the tables, after the decoder's plan, whose table copy then travels ahead of the arena's
-    // while the host packs. (The slot's decoder is free: its previous batch was waited, or its
-    // previous round waited for above.)
+    // the tables. The decoder plans into the arena (its tables travel in the arena's copy; the
+    // slot's decoder and arena are free: the previous batch was waited, or the previous round
+    // waited for above).
     RowRuns(batch, r.seq_begin, ns, r.num_tokens(), cursor, l, &runs);
     const bool direct_in = Direct(runs);
     if (direct_in) {
@@ -463,6 +465,7 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
                                                 cudaMemcpyHostToDevice, stream));
       }
     }
+    int64_t end = l.plan;  // of what the arena's copy moves: the plan's used tables
     if (ns > 0) {
       const int32_t* indptr = plan.kv_indptr.data() + r.seq_begin;
       if (r.seq_begin > 0) {
@@ -470,8 +473,10 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
         indptr = rebased_indptr.data();
       }
       const auto plan_begin = std::chrono::steady_clock::now();
-      PA_RETURN_IF_ERROR(KernelFailure(
-          slot.decoder->Plan(indptr, plan.kv_last_page_len.data() + r.seq_begin, ns, stream)));
+      size_t used = 0;
+      PA_RETURN_IF_ERROR(KernelFailure(slot.decoder->PlanInto(
+          indptr, plan.kv_last_page_len.data() + r.seq_begin, ns, h + l.plan, dev + l.plan, &used)));
+      end += static_cast<int64_t>(used);
       slot.plan_seconds += SecondsSince(plan_begin);
     }
     const auto pack_begin = std::chrono::steady_clock::now();
@@ -498,18 +503,24 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
     copies.Run(copier.get(), CopyList::kDefaultParallelBytes, CopyList::Reader::kDevice);
     slot.pack_seconds += SecondsSince(pack_begin);
     if (direct_in) {
-      if (l.bytes > l.indices) {
-        PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev + l.indices, h + l.indices, l.bytes - l.indices,
+      if (end > l.indices) {
+        PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev + l.indices, h + l.indices, end - l.indices,
                                                 cudaMemcpyHostToDevice, stream));
       }
     } else {
       if (i == 0) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.begin, stream));
-      PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, h, l.bytes, cudaMemcpyHostToDevice, stream));
+      PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, h, end, cudaMemcpyHostToDevice, stream));
     }
     // The pool work of consecutive batches in launch order: this batch's copy above may run
     // while the previous batch's kernels do, its pool work not.
+    // (A previous batch already done needs no wait: one call fewer when batches come apart.)
     if (i == 0 && last_pool_done != nullptr) {
-      PA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, last_pool_done, 0));
+      const cudaError_t q = cudaEventQuery(last_pool_done);
+      if (q == cudaErrorNotReady) {
+        PA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, last_pool_done, 0));
+      } else if (q != cudaSuccess) {
+        return CudaError("cudaEventQuery (previous batch)", q);
+      }
     }
 
     if (r.num_copies() > 0) {

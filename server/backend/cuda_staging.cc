@@ -32,12 +32,13 @@ StagingCapacity StagingCapacity::For(const Backend::PoolShape& shape, int64_t st
 }
 
 int64_t StagingCapacity::ArenaBytes() const {
-  return LayoutRound(max_sequences, max_kv_indices, max_page_copies, max_tokens).bytes;
+  return LayoutRound(max_sequences, max_kv_indices, max_page_copies, max_tokens, plan_bytes).bytes;
 }
 
 int64_t StagingCapacity::OutputBytes() const { return pagedattn::OutputBytes(max_sequences); }
 
-RoundLayout LayoutRound(int32_t sequences, int64_t kv_indices, int64_t copies, int64_t tokens) {
+RoundLayout LayoutRound(int32_t sequences, int64_t kv_indices, int64_t copies, int64_t tokens,
+                        int64_t plan_bytes) {
   RoundLayout l;
   int64_t at = 0;
   static_assert(kQueryBytes % RoundLayout::kAlignment == 0 && kRowBytes % RoundLayout::kAlignment == 0,
@@ -53,7 +54,9 @@ RoundLayout LayoutRound(int32_t sequences, int64_t kv_indices, int64_t copies, i
   l.copies = at;
   at = AlignUp(at + copies * static_cast<int64_t>(sizeof(PageCopy)));
   l.slots = at;
-  l.bytes = at + tokens * static_cast<int64_t>(sizeof(int64_t));
+  at = AlignUp(at + tokens * static_cast<int64_t>(sizeof(int64_t)));
+  l.plan = at;
+  l.bytes = at + plan_bytes;
   return l;
 }
 

@@ -27,6 +27,7 @@ struct StagingCapacity {
   int64_t max_page_copies = 0;  // PageCopy entries per round
   int64_t max_tokens = 0;       // token writes (slot, K row, V row) per round
   int64_t max_kv_indices = 0;   // kv_indices entries per round
+  int64_t plan_bytes = 0;       // the decoder's plan tables (CudaDecoder::table_bytes)
 
   // max_sequences = max_batch_size; max_page_copies = max_batch_size (the engine copies at
   // most one page per sequence step); max_tokens = max(staged_tokens, max_batch_size), so a
@@ -46,7 +47,8 @@ struct StagingCapacity {
 // Where each part of a round lies in the arena; every offset is a multiple of kAlignment. The
 // rows come first and back to back (q, then K, then V rows, each a whole number of 128-byte
 // units), in the order of the engine's host block (engine.cc), so that the rows of a batch of
-// one request are one run of bytes in both; the tables (indices, copies, slots) follow.
+// one request are one run of bytes in both; the tables (indices, copies, slots, and the
+// decoder's plan) follow.
 struct RoundLayout {
   static constexpr int64_t kAlignment = 128;
   int64_t q = 0;        // bf16 [sequences, 24, 128]
@@ -55,9 +57,11 @@ struct RoundLayout {
   int64_t indices = 0;  // int32 [kv_indices]
   int64_t copies = 0;   // PageCopy [copies] (int32 src, dst)
   int64_t slots = 0;    // int64 [tokens]
+  int64_t plan = 0;     // the decoder's plan tables [plan_bytes], last (only a prefix is used)
   int64_t bytes = 0;    // the whole round: [0, indices) rows, [indices, bytes) tables
 };
-RoundLayout LayoutRound(int32_t sequences, int64_t kv_indices, int64_t copies, int64_t tokens);
+RoundLayout LayoutRound(int32_t sequences, int64_t kv_indices, int64_t copies, int64_t tokens,
+                        int64_t plan_bytes = 0);
 
 // Output buffer of a batch of b sequences: output bf16 [b, 24, 128] at 0, lse fp32 [b, 24] at
 // LseOffset(b); OutputBytes(b) in all (one device-to-host copy).

@@ -92,7 +92,12 @@ TEST(RoundLayoutTest, PartsAreAlignedAndDisjoint) {
   EXPECT_EQ(l.indices, l.v_rows + 11 * k::kTokenElems * 2);
   EXPECT_GE(l.copies, l.indices + 7 * 4);
   EXPECT_GE(l.slots, l.copies + 5 * 8);
-  EXPECT_EQ(l.bytes, l.slots + 11 * 8);
+  EXPECT_GE(l.plan, l.slots + 11 * 8);
+  EXPECT_EQ(l.plan % RoundLayout::kAlignment, 0);
+  EXPECT_EQ(l.bytes, l.plan);  // no plan tables asked for
+  const RoundLayout with_plan = LayoutRound(3, 7, 5, 11, 1000);
+  EXPECT_EQ(with_plan.plan, l.plan);
+  EXPECT_EQ(with_plan.bytes, l.plan + 1000);
 }
 
 TEST(RoundLayoutTest, EmptyPartsTakeNoSpace) {

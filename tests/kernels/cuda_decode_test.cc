@@ -329,6 +329,59 @@ TEST_F(CudaDecodeTest, CapturedInACudaGraph) {
   cudaStreamDestroy(stream);
 }
 
+TEST_F(CudaDecodeTest, PlanIntoCallerTablesGivesTheSameResults) {
+  // The tables planned into caller memory and copied by the caller (as the service's backend
+  // does, inside its own staging copy), twice with different batches through the same buffers.
+  std::mt19937 rng(FreshSeed());
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  for (auto& decoder : decoders_) {
+    const size_t room = decoder->table_bytes();
+    ASSERT_GT(room, 0u);
+    void* host = nullptr;
+    void* dev = nullptr;
+    ASSERT_EQ(cudaMallocHost(&host, room), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&dev, room), cudaSuccess);
+    for (int round = 0; round < 2; ++round) {
+      Batch b;
+      b.name = "plan into, round " + std::to_string(round);
+      b.num_pages = 2048;
+      for (int i = 0; i < 5 + 20 * round; ++i) {
+        b.Add(RandomPages(rng, 2048, 1 + static_cast<int>(rng() % 600)), 1 + static_cast<int>(rng() % 64));
+      }
+      DeviceBatch dbatch;
+      std::string error;
+      ASSERT_TRUE(dbatch.Init(b, FreshSeed(), &error)) << error;
+      std::vector<double> ref_out, ref_lse;
+      ASSERT_TRUE(dbatch.Reference(&ref_out, &ref_lse, &error)) << error;
+      ASSERT_TRUE(dbatch.Poison(stream, &error)) << error;
+      size_t used = 0;
+      const KernelStatus st =
+          decoder->PlanInto(b.indptr.data(), b.last.data(), b.size(), host, dev, &used);
+      ASSERT_TRUE(st.ok()) << st.message;
+      ASSERT_GT(used, 0u);
+      ASSERT_LE(used, room);
+      ASSERT_EQ(cudaMemcpyAsync(dev, host, used, cudaMemcpyHostToDevice, stream), cudaSuccess);
+      ASSERT_TRUE(decoder->Run(dbatch.Args(), stream).ok());
+      std::vector<uint16_t> out;
+      std::vector<float> lse;
+      ASSERT_TRUE(dbatch.Fetch(stream, &out, &lse, &error)) << error;
+      double rel, lse_err;
+      EXPECT_EQ(Compare(b, out, lse, ref_out, ref_lse, &rel, &lse_err), "") << b.name;
+    }
+    size_t used = 0;
+    std::vector<int32_t> indptr{0, 1}, last{1};
+    EXPECT_EQ(decoder->PlanInto(indptr.data(), last.data(), 1, nullptr, dev, &used).code,
+              KernelCode::kInvalidArgument);
+    EXPECT_EQ(decoder->PlanInto(indptr.data(), last.data(), 1, static_cast<char*>(host) + 4, dev,
+                                &used).code,
+              KernelCode::kInvalidArgument);
+    cudaFreeHost(host);
+    cudaFree(dev);
+  }
+  cudaStreamDestroy(stream);
+}
+
 TEST_F(CudaDecodeTest, TwoDecodersKeepTwoBatchesInFlight) {
   std::mt19937 rng(FreshSeed());
   Batch a, b;

@@ -117,6 +117,18 @@ class CudaDecoder {
   KernelStatus Plan(const int32_t* kv_indptr, const int32_t* kv_last_page_len,
                     int32_t batch_size, CudaStream stream);
 
+  // As Plan, but the tables go into caller memory and nothing is copied or waited for: the plan
+  // is written at host_table (host memory, table_bytes() of room, 16-byte aligned) and the
+  // caller copies its first *used_bytes bytes to dev_table (device memory of the same room and
+  // alignment) on Run's stream before Run, as part of a copy of its own (one copy fewer per
+  // batch). Both stay untouched until the kernels of that Run finished; Run also reads
+  // host_table. InvalidArgument for a bad batch or bad pointers.
+  KernelStatus PlanInto(const int32_t* kv_indptr, const int32_t* kv_last_page_len,
+                        int32_t batch_size, void* host_table, void* dev_table,
+                        size_t* used_bytes);
+  // Room a plan's tables need (PlanInto).
+  size_t table_bytes() const;
+
   // Launches the decode of the planned batch on `stream`: no allocation, no synchronisation.
   // FailedPrecondition before a successful Plan; InvalidArgument when args do not match the
   // plan or the requirements above; Internal when the launch fails.
