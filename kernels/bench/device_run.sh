@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,temperature.gpu \
   --format=csv > "$OUT/smi.txt" 2>&1
 has() { [[ " $STEPS " == *" $1 "* ]]; }
-SMALL='*SequenceLengthsInTokens*:*EmptySequences*:*PagesShared*:*NanAndInf*:*RepeatedRuns*:*Graph*:*InFlight*'
+SMALL='*SequenceLengthsInTokens*:*EmptySequences*:*PagesShared*:*NanAndInf*:*RepeatedRuns*:*Graph*:*InFlight*:*PlanInto*'
 if has tests; then
   echo "== tests"
   "$BIN/pagedattn_kernel_plan_test" --gtest_brief=1 > "$OUT/tests.log" 2>&1
@@ -43,7 +43,7 @@ fi
 if has sanitizer; then
   echo "== sanitizer"
   for tool in memcheck racecheck; do
-    timeout 100 compute-sanitizer --tool $tool --error-exitcode 9 \
+    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 \
       "$BIN/pagedattn_kernel_gpu_test" --gtest_filter="$SMALL" > "$OUT/sanitizer_$tool.log" 2>&1
     echo "$tool rc=$?" | tee -a "$OUT/sanitizer_$tool.log"
     tail -4 "$OUT/sanitizer_$tool.log"

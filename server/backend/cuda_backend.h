@@ -3,29 +3,32 @@
 //
 // Memory, all taken in Init and kept until destruction (nothing is allocated per batch):
 //   - the pool: K and V of every layer, 2 x num_layers x num_pages x 64 KiB, one cudaMalloc each;
-//   - per in-flight slot: a CudaDecoder (its own pinned plan tables and workspace), a staging
-//     arena (pinned host + device copy, StagingCapacity::ArenaBytes: q rows, kv_indices, page
-//     copies, token slots and K/V rows of one round), an output buffer (pinned host + device,
-//     output rows then lse rows), six events and (stream_per_slot) a stream.
+//   - per in-flight slot: a CudaDecoder (its workspace), a staging arena (pinned host + device
+//     copy, StagingCapacity::ArenaBytes: q rows, K/V rows, kv_indices, page copies, token slots
+//     and the decoder's plan tables of one round), an output buffer (pinned host + device,
+//     output rows then lse rows), six events and (stream_per_slot) a stream;
 //   - once: a pinned HostRing (Options::host_ring_bytes) that TakeHostBlock hands out.
-// A Launch plans the batch (the decoder's Plan, whose table copy goes first), packs it into its
-// slot's pinned arena (the copies spread over copy_threads host threads when large, with
-// non-temporal stores, see copy_list.h) and enqueues, on its slot's stream
-// (Options::stream_per_slot; else on one stream for all): one host-to-device copy of the arena,
-// a wait for the previous batch's pool work (an event), the page-copy kernel, the scatter
-// kernel, the decoder's Run between two timing events (the second is also the pool-done
-// event), one device-to-host copy of output and lse, and the slot's done event (a timing one,
-// as is a `begin` event before the input copy: the device_in/device_out stage times). So the
-// copies of one batch overlap the kernels of its neighbours, while the work on the pool (copy
-// on write, scatter, attention) stays in launch order. A batch over a staging capacity (see
-// cuda_staging.h) is staged in several rounds; before re-filling the arena for the next round
-// Launch waits for the previous round to finish on the stream (a host stall that only the rare
-// over-capacity batch, such as a long prefill, pays). Wait polls the slot's done event
-// (spinning first, then sleeping between polls) and copies the outputs into the batch's rows;
-// kernel_seconds is the event time of the attention. A batch whose q, K and V rows all lie in
-// host blocks of the ring skips the packing of its rows: they are copied from the blocks to the
-// arena's device copy (one copy per run), and its outputs from the device straight into the
-// blocks, when each direction takes at most kMaxDirectRuns copies.
+// A Launch enqueues, on its slot's stream (Options::stream_per_slot; else on one stream for all):
+// the input copies, a wait for the previous batch's pool work (an event, skipped when that work
+// is done), the page-copy kernel, the scatter kernel, the decoder's Run between two timing
+// events (the second is also the pool-done event), the outputs' way back, and the slot's done
+// event (a timing one, as is a `begin` event before the first input copy: the device_in and
+// device_out stage times). The inputs: when a round's q, K and V rows all lie in host blocks of
+// the ring in at most kMaxDirectRuns runs (a batch of one or two requests), one copy per run
+// straight from the blocks, issued first; then the decoder plans into the arena (PlanInto) and
+// the host packs the tables into it and copies them. Otherwise the rows are packed with the
+// tables (spread over copy_threads host threads when large, with non-temporal stores, see
+// copy_list.h) and the round goes in one copy. The outputs: a batch of one request in the ring
+// has them written by the kernel straight into its block (kernel_writes_outputs); a batch whose
+// outputs lie in the ring in at most kMaxDirectRuns runs gets a copy per run into the blocks;
+// any other one copy into the slot's output buffer, which Wait unpacks into the batch's rows.
+// So the copies of one batch overlap the kernels of its neighbours, while the work on the pool
+// (copy on write, scatter, attention) stays in launch order. A batch over a staging capacity
+// (see cuda_staging.h) is staged in several rounds; before re-filling the arena for the next
+// round Launch waits for the previous round to finish on the stream (a host stall that only the
+// rare over-capacity batch, such as a long prefill, pays). Wait polls the slot's done event
+// (spinning first, then sleeping between polls); kernel_seconds is the event time of the
+// attention.
 //
 // Errors: a bad batch (a page id, slot or size out of range) is INTERNAL and changes nothing.
 // Any CUDA error (or a batch not done within wait_timeout_ms) is INTERNAL with the CUDA error
