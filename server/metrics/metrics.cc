@@ -71,8 +71,8 @@ Metrics::Metrics()
                     .Register(*registry_)),
       decode_receive_(prometheus::BuildCounter()
                           .Name("pagedattn_decode_receive_total")
-                          .Help("Decodes admitted, by where their tensors went: host_block (the "
-                                "backend's pinned ring) or request (their own memory)")
+                          .Help("Decodes that passed validation, by where their tensors went: "
+                                "host_block (the backend's pinned ring) or request (their own memory)")
                           .Register(*registry_)),
       received_into_block_(decode_receive_.Add({{"into", "host_block"}})),
       received_into_request_(decode_receive_.Add({{"into", "request"}})),

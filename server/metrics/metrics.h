@@ -69,7 +69,7 @@ class Metrics {
   void RecordBatchDuration(double seconds);
   // pagedattn_stage_duration_seconds{stage}.
   void RecordStage(Stage stage, double seconds);
-  // pagedattn_decode_receive_total{into}: Decodes admitted, by where their tensors went:
+  // pagedattn_decode_receive_total{into}: Decodes that passed validation, by where their tensors went:
   // host_block (the backend's pinned ring) or request (their own memory: the backend has no ring,
   // or it was full).
   void RecordDecodeReceive(bool into_host_block);
