@@ -757,19 +757,23 @@ int main(int argc, char** argv) {
   }
   if (sweep) {
     // Decoder configurations side by side (one part per CTA; merges i: in the decode kernel,
-    // k: merge kernel, a: auto; and the v7 options), TMA, clean flush: median of 100 runs each.
+    // k: merge kernel, a: auto; the v7 options; and the plan's cost per (seq, head) start),
+    // TMA, clean flush: median of 100 runs each.
     struct Config {
       char merge;
       bool counters;     // c: the merge kernel starts each group on its counter (else: grid)
       bool shared_tail;  // s: a last page's unused V rows zeroed in shared memory (else: registers)
+      int item_cost;     // +N: the plan charges N pages per (seq, head) start
     };
-    const std::vector<Config> configs = {{'a', false, true}, {'a', false, false}, {'k', true, true},
-                                         {'k', true, false}, {'i', false, false}};
+    const std::vector<Config> configs = {{'a', false, true, 0}, {'k', true, false, 0},
+                                         {'k', true, false, 1}, {'k', true, false, 2},
+                                         {'k', true, false, 4}};
     std::vector<std::unique_ptr<pk::CudaDecoder>> ds;
     std::printf("\nsweep (TMA, clean flush, median us of 100 runs): merge i(n kernel) / k(ernel, "
                 "PDL) / a(uto); c: the merge kernel starts each group on its counter (else when "
                 "the grid is done); s: a last page's unused V rows zeroed in shared memory (else "
-                "in registers). as = v6's default, kc = v7's\n");
+                "in registers); +N: the plan charges N pages per (seq, head) start. as = v6's "
+                "default, kc = v7's\n");
     std::printf("%-22s", "workload");
     for (const Config& c : configs) {
       pk::CudaDecoderOptions o;
@@ -778,12 +782,13 @@ int main(int argc, char** argv) {
       o.tuning.merge_wait = c.counters ? pk::CudaDecoderTuning::MergeWait::kCounters
                                        : pk::CudaDecoderTuning::MergeWait::kGrid;
       o.tuning.zero_tail_in_shared = c.shared_tail;
+      o.tuning.item_cost_pages = c.item_cost;
       ds.emplace_back();
       CheckStatus(pk::CudaDecoder::Create(o, &ds.back()), "Create (sweep)");
-      char label[8] = {};
-      std::snprintf(label, sizeof label, "%c%s%s", c.merge, c.counters ? "c" : "",
-                    c.shared_tail ? "s" : "");
-      std::printf(" %9s", label);
+      const std::string label = std::string(1, c.merge) + (c.counters ? "c" : "") +
+                                (c.shared_tail ? "s" : "") +
+                                (c.item_cost > 0 ? "+" + std::to_string(c.item_cost) : "");
+      std::printf(" %9s", label.c_str());
     }
     std::printf("\n");
     for (const pt::Workload& w : workloads) {

@@ -142,6 +142,10 @@ KernelStatus CudaDecoder::Create(const Options& options, std::unique_ptr<CudaDec
   if (options.tuning.min_part_units < 1) {
     return Invalid("CudaDecoder::Create: min_part_units < 1");
   }
+  if (options.tuning.item_cost_pages < 0 ||
+      (options.tuning.item_cost_pages > 0 && options.tuning.parts_per_cta > 1)) {
+    return Invalid("CudaDecoder::Create: item_cost_pages must be >= 0, and 0 with parts_per_cta > 1");
+  }
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     cudaGetLastError();
@@ -187,6 +191,7 @@ KernelStatus CudaDecoder::Create(const Options& options, std::unique_ptr<CudaDec
   impl->capacity.max_batch_size = options.max_batch_size;
   impl->capacity.parts_per_cta = options.tuning.parts_per_cta;
   impl->capacity.min_part_units = options.tuning.min_part_units;
+  impl->capacity.item_cost_units = options.tuning.item_cost_pages;
   impl->path = options.load_path;
   if (impl->path == CudaLoadPath::kTma) {
     void* fn = nullptr;

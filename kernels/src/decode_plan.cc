@@ -34,7 +34,13 @@ class SegmentCursor {
   int32_t pages() const { return indptr_[b_ + 1] - indptr_[b_]; }
   int64_t begin() const { return 4 * int64_t{indptr_[b_]} + int64_t{h_} * pages(); }
   int64_t end() const { return begin() + pages(); }
+  // On the weighted line (every segment preceded by `cost` units): where the segment's start
+  // cost begins, where its pages begin, and where it ends.
+  int64_t wbegin(int64_t cost) const { return begin() + cost * index_; }
+  int64_t wpages(int64_t cost) const { return wbegin(cost) + cost; }
+  int64_t wend(int64_t cost) const { return wpages(cost) + pages(); }
   void Next() {
+    ++index_;
     if (++h_ == kNumKvHeads) {
       h_ = 0;
       ++b_;
@@ -50,6 +56,7 @@ class SegmentCursor {
   int32_t batch_size_;
   int32_t b_ = 0;
   int h_ = 0;
+  int64_t index_ = 0;  // non-empty segments before this one
 };
 
 }  // namespace
@@ -67,6 +74,12 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
                    " outside 1.." + std::to_string(kMaxPartsPerCta));
   }
   if (capacity.min_part_units < 1) return Invalid("plan: min_part_units < 1");
+  if (capacity.item_cost_units < 0) return Invalid("plan: item_cost_units < 0");
+  // Spare parts (parts_per_cta > 1) must keep min_part_units pages each, which a cost per start
+  // would break: the two do not combine.
+  if (capacity.item_cost_units > 0 && capacity.parts_per_cta > 1) {
+    return Invalid("plan: item_cost_units needs parts_per_cta 1");
+  }
   if (batch_size < 0 || batch_size > capacity.max_batch_size) {
     return Invalid("plan: batch_size " + std::to_string(batch_size) + " outside 0.." +
                    std::to_string(capacity.max_batch_size));
@@ -97,6 +110,9 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
 
   const int64_t total_pages = batch_size > 0 ? kv_indptr[batch_size] : 0;
   const int64_t units = int64_t{kNumKvHeads} * total_pages;
+  const int64_t cost = capacity.item_cost_units;
+  // The line cut into parts: every non-empty segment's start cost, then its pages.
+  const int64_t line_units = units + cost * int64_t{kNumKvHeads} * (batch_size - num_empty);
   // As many parts per CTA as keep min_part_units in each, 1..parts_per_cta.
   const int64_t per_cta = units / (int64_t{num_ctas} * capacity.min_part_units);
   const int32_t num_parts =
@@ -118,8 +134,8 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
 
   const int32_t k = num_parts / num_ctas;
   for (int32_t line = 0; line < num_parts; ++line) {
-    const int64_t lo = units * line / num_parts;
-    const int64_t hi = units * (line + 1) / num_parts;
+    const int64_t lo = line_units * line / num_parts;
+    const int64_t hi = line_units * (line + 1) / num_parts;
     // The table index of the part at this line position: every k-th is a CTA's own (index
     // line / k), the others follow num_ctas in line order.
     const int32_t c = line % k == 0 ? line / k : num_ctas + line - line / k - 1;
@@ -135,16 +151,20 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
       ++count;
       return true;
     };
-    while (!cursor.done() && cursor.end() <= lo) cursor.Next();
+    while (!cursor.done() && cursor.wend(cost) <= lo) cursor.Next();
 
     // Pass 0 emits the pieces of segments cut by this range's ends (partial results first, so
     // that merges happen early and overlap other work); pass 1 the whole segments inside it.
+    // A range that ends inside a segment's start cost leaves the whole segment to the next.
     for (int pass = 0; pass < 2; ++pass) {
       SegmentCursor seg = cursor;
-      for (; !seg.done() && seg.begin() < hi; seg.Next()) {
-        const int64_t a = seg.begin() > lo ? seg.begin() : lo;
-        const int64_t e = seg.end() < hi ? seg.end() : hi;
-        if (e <= a) continue;  // an empty range inside a segment: nothing to do
+      for (; !seg.done() && seg.wbegin(cost) < hi; seg.Next()) {
+        const int64_t wp = seg.wpages(cost);
+        const int64_t wa = wp > lo ? wp : lo;
+        const int64_t we = seg.wend(cost) < hi ? seg.wend(cost) : hi;
+        if (we <= wa) continue;  // no pages of this segment in the range
+        const int64_t a = seg.begin() + (wa - wp);
+        const int64_t e = seg.begin() + (we - wp);
         const bool whole = a == seg.begin() && e == seg.end();
         if (whole != (pass == 1)) continue;
         WorkItem item;

@@ -22,7 +22,7 @@ namespace {
 
 class CudaDecodeTest : public ::testing::Test {
  protected:
-  static constexpr int kNumDecoders = 7;
+  static constexpr int kNumDecoders = 8;
   static void SetUpTestSuite() {
     if (!CudaDecodeDeviceAvailable()) return;
     // 0, 1: the default TMA and cp.async decoders (one part per CTA; every split sequence
@@ -37,6 +37,8 @@ class CudaDecodeTest : public ::testing::Test {
     //    merges, which share the counters).
     // 5: the v6 ways kept as options: merges chosen per batch, the merge kernel waiting for the
     //    whole grid, a last page's unused V rows zeroed in shared memory.
+    // 7: the default with a cost of 2 pages per (seq, head) start in the plan (parts of unequal
+    //    pages).
     std::vector<CudaDecoderOptions> configs(kNumDecoders);
     using Merge = CudaDecoderTuning::Merge;
     using MergeWait = CudaDecoderTuning::MergeWait;
@@ -54,6 +56,7 @@ class CudaDecodeTest : public ::testing::Test {
     configs[5].tuning.merge_wait = MergeWait::kGrid;
     configs[5].tuning.zero_tail_in_shared = true;
     configs[6].tuning.merge = Merge::kAuto;
+    configs[7].tuning.item_cost_pages = 2;
     for (const CudaDecoderOptions& options : configs) {
       std::unique_ptr<CudaDecoder> d;
       const KernelStatus st = CudaDecoder::Create(options, &d);
@@ -64,7 +67,7 @@ class CudaDecodeTest : public ::testing::Test {
   static const char* Label(size_t i) {
     static const char* const kLabels[kNumDecoders] = {
         "tma", "cp.async", "tma-inmerge", "tma-16parts-inmerge", "tma-16parts-grid-nopdl",
-        "tma-v6-auto-grid-sharedtail", "tma-16parts-auto-counters"};
+        "tma-v6-auto-grid-sharedtail", "tma-16parts-auto-counters", "tma-itemcost2"};
     return kLabels[i];
   }
   static void TearDownTestSuite() { decoders_.clear(); }
@@ -454,6 +457,12 @@ TEST_F(CudaDecodeTest, ReportsMisuseAsStatus) {
   }
   options.tuning.parts_per_cta = 4;
   options.tuning.min_part_units = 0;
+  EXPECT_EQ(CudaDecoder::Create(options, &d).code, KernelCode::kInvalidArgument);
+  options.tuning.min_part_units = 8;
+  options.tuning.item_cost_pages = 2;  // with parts_per_cta 4
+  EXPECT_EQ(CudaDecoder::Create(options, &d).code, KernelCode::kInvalidArgument);
+  options.tuning.parts_per_cta = 1;
+  options.tuning.item_cost_pages = -1;
   EXPECT_EQ(CudaDecoder::Create(options, &d).code, KernelCode::kInvalidArgument);
 }
 

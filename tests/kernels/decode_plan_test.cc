@@ -53,12 +53,13 @@ struct PlanOutput {
 };
 
 PlanOutput MakePlan(const Batch& b, int num_ctas, int max_batch = 4096, int parts_per_cta = 1,
-                    int min_part_units = 8) {
+                    int min_part_units = 8, int item_cost_units = 0) {
   PlanOutput out;
   out.cap.num_ctas = num_ctas;
   out.cap.max_batch_size = max_batch;
   out.cap.parts_per_cta = parts_per_cta;
   out.cap.min_part_units = min_part_units;
+  out.cap.item_cost_units = item_cost_units;
   out.storage.assign(out.cap.TableBytes() / 8 + 1, 0);
   out.status = BuildDecodePlan(b.indptr.data(), b.last.data(), b.size(), out.cap,
                                out.storage.data(), &out.summary);
@@ -170,6 +171,58 @@ TEST(DecodePlanTest, CoversEveryPageOfEveryHeadExactlyOnce) {
       }
     }
   }
+}
+
+TEST(DecodePlanTest, WithAnItemCostCoversEveryPageExactlyOnce) {
+  std::mt19937 rng(4321);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int size = 1 + trial * 11 % 200;
+    const Batch b = RandomBatch(rng, size, 1 + trial * 53 % 300, trial % 4 == 0 ? 0.25 : 0.0);
+    for (int ctas : {1, 7, 132, 256}) {
+      for (int cost : {1, 2, 4, 64, 1000}) {
+        SCOPED_TRACE("trial " + std::to_string(trial) + " ctas " + std::to_string(ctas) +
+                     " cost " + std::to_string(cost));
+        CheckPlan(b, MakePlan(b, ctas, 4096, 1, 8, cost));
+      }
+    }
+  }
+  Batch b;
+  b.Add(3, 1);
+  EXPECT_EQ(MakePlan(b, 4, 4096, 1, 8, -1).status.code, KernelCode::kInvalidArgument);
+  EXPECT_EQ(MakePlan(b, 4, 4096, 2, 8, 1).status.code, KernelCode::kInvalidArgument);
+}
+
+TEST(DecodePlanTest, AnItemCostGivesPartsThatStartManySegmentsFewerPages) {
+  // One long sequence and many short ones: with equal pages per part, the parts over the short
+  // ones start 4 x (their sequences) items each; with a cost per start they get fewer pages,
+  // and the parts of the long sequence more. Every part's pages plus cost x its segment starts
+  // stay within 2 x cost + 1 of the others' (the parts are equal on the weighted line to one
+  // unit, and a cut inside a start cost moves up to one cost to either side).
+  Batch b;
+  b.Add(2000, 64);
+  for (int i = 0; i < 200; ++i) b.Add(8, 64);
+  const int cost = 2;
+  std::vector<int64_t> flat, weighted;
+  CheckPlan(b, MakePlan(b, 132), &flat);
+  const PlanOutput plan = MakePlan(b, 132, 4096, 1, 8, cost);
+  CheckPlan(b, plan, &weighted);
+  const auto [flat_lo, flat_hi] = std::minmax_element(flat.begin(), flat.end());
+  EXPECT_LE(*flat_hi - *flat_lo, 1);
+  int64_t min_load = std::numeric_limits<int64_t>::max(), max_load = 0;
+  for (int c = 0; c < plan.summary.num_parts; ++c) {
+    int64_t load = 0;
+    for (const WorkItem& it : plan.PartItems(c)) {
+      load += it.num_pages;
+      // A whole segment or the first piece of one starts it here (a later piece does not).
+      const int32_t seq = it.seq_head / kNumKvHeads;
+      if (it.num_pages > 0 && it.page_begin == b.indptr[seq]) load += cost;
+    }
+    min_load = std::min(min_load, load);
+    max_load = std::max(max_load, load);
+  }
+  EXPECT_LE(max_load - min_load, 2 * cost + 1);
+  const auto [lo, hi] = std::minmax_element(weighted.begin(), weighted.end());
+  EXPECT_GT(*hi - *lo, 2 * cost);  // the pages themselves are no longer equal
 }
 
 TEST(DecodePlanTest, BalancesUnitsToWithinOnePage) {

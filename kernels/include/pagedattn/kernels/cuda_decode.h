@@ -54,6 +54,10 @@ struct CudaDecoderTuning {
   // Measured slower than 1 on the H200 so far (kernels/bench/NOTES.md, v5): 1 by default.
   int32_t parts_per_cta = 1;
   int32_t min_part_units = 8;
+  // What starting a (seq, head) costs a part of the plan, in pages (PlanCapacity::
+  // item_cost_units): > 0 gives parts that start many short sequences fewer pages. Needs
+  // parts_per_cta 1. 0: parts of equal pages (the default; kernels/bench/NOTES.md, v7).
+  int32_t item_cost_pages = 0;
   // Who merges the pieces of split (seq, head)s (kernels/bench/NOTES.md, v5):
   //   kInKernel: the decode kernel's CTA that finishes a group's last piece (its chain of
   //              fence, atomic and loads sits on the critical path when every (seq, head) is

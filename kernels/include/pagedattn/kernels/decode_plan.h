@@ -72,6 +72,10 @@ struct PlanCapacity {
   int32_t max_batch_size = 0;  // largest batch a plan accepts
   int32_t parts_per_cta = 1;   // 1..kMaxPartsPerCta; 1: each CTA does exactly its own part
   int32_t min_part_units = 8;  // >= 1: no more parts than leave this many units in each
+  // >= 0: what starting a (seq, head) costs a part, in units: the line that is cut into equal
+  // parts gives each non-empty (seq, head) this many units before its pages, so a part that
+  // starts many of them gets fewer pages. 0: parts of equal pages. > 0 needs parts_per_cta 1.
+  int32_t item_cost_units = 0;
 
   int64_t MaxParts() const { return int64_t{num_ctas} * parts_per_cta; }
   // Upper bounds: a merge group per split (seq, head), at most MaxParts() - 1 of them; at most
