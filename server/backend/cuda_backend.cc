@@ -187,7 +187,8 @@ struct CudaBackend::Impl {
   char* ring_memory = nullptr;          // pinned [host_ring_bytes]
   char* ring_device = nullptr;          // ring_memory as the device addresses it
   std::unique_ptr<HostRing> ring;       // over ring_memory; null without
-  std::vector<DeviceRun> runs;          // scratch of Launch
+  std::vector<DeviceRun> runs;          // scratch of Launch: a round's rows
+  std::vector<DeviceRun> out_runs;      // scratch of Launch: the batch's outputs
 
   // Whether `runs` can be copied straight between the ring and the device.
   bool Direct(const std::vector<DeviceRun>& r) const {
@@ -392,6 +393,7 @@ absl::Status CudaBackend::Impl::Allocate() {
   rebased_indptr.resize(shape.max_batch_size + 1);
   rounds.reserve(8);
   runs.reserve(kMaxDirectRuns + 1);
+  out_runs.reserve(kMaxDirectRuns + 1);
   // The memsets ran on the legacy stream, which a non-blocking stream does not wait for.
   PA_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   return absl::OkStatus();
@@ -434,12 +436,12 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
   char* out_base = slot.dev_out;
   slot.out = Slot::Out::kCopyAndUnpack;
   if (b > 0) {
-    OutputRuns(batch, &runs);
-    if (Direct(runs)) {
+    OutputRuns(batch, &out_runs);
+    if (Direct(out_runs)) {
       slot.out = Slot::Out::kCopyToBlocks;
-      if (runs.size() == 1 && options.kernel_writes_outputs) {
+      if (out_runs.size() == 1 && options.kernel_writes_outputs) {
         slot.out = Slot::Out::kKernelWrites;
-        out_base = ring_device + (runs[0].host - ring_memory);
+        out_base = ring_device + (out_runs[0].host - ring_memory);
       }
     }
   }
@@ -574,9 +576,8 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
     last_pool_done = slot.pool_done;
   }
   if (slot.timed && slot.out != Slot::Out::kKernelWrites) {
-    OutputRuns(batch, &runs);
     if (slot.out == Slot::Out::kCopyToBlocks) {
-      for (const DeviceRun& run : runs) {
+      for (const DeviceRun& run : out_runs) {
         PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(run.host, slot.dev_out + run.offset, run.bytes,
                                                 cudaMemcpyDeviceToHost, stream));
       }
