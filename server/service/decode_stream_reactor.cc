@@ -174,8 +174,11 @@ DecodeStreamReactor::Actions DecodeStreamReactor::Plan() {
 }
 
 void DecodeStreamReactor::Run(const Actions& actions) {
-  if (actions.write != nullptr) StartWrite(actions.write);
+  // The read before the write: while the write is pending (writing_ was set by Plan) the stream
+  // cannot finish, so the reactor is alive for StartRead; after StartWrite nothing of it is
+  // touched (see the header). Plan never asks for a finish together with a read or a write.
   if (actions.read) StartRead(&read_buffer_);
+  if (actions.write != nullptr) StartWrite(actions.write);
   if (actions.finish) Finish(actions.finish_status);
 }
 

@@ -9,7 +9,12 @@
 // CANCELLED when the client cancels or a write fails.
 //
 // Threading: gRPC reactions and engine callbacks arrive on different threads; all state is
-// under mu_, and gRPC operations are started after mu_ is released.
+// under mu_, and gRPC operations are started after mu_ is released. An engine callback is not
+// a gRPC reaction, so gRPC does not wait for it before OnDone: once its thread has started a
+// write, that write may complete and the stream finish and delete the reactor at any moment.
+// So a write is the last thing such a thread starts, and it touches nothing of the reactor
+// after it (holding mu_ across StartWrite would break this: the unlock comes after it; the
+// ASan stage caught that in a 2026-12-04 attempt).
 #pragma once
 
 #include <cstdint>
