@@ -417,58 +417,93 @@ pt::Workload Synthetic(const std::string& name, const std::vector<int>& lengths,
 }
 
 
-// The service's launch sequence for one decode step of a batch (server/backend/cuda_backend.cc):
-// one copy of the staged inputs (q, kv_indices, token slots, k/v rows) into device memory, the
-// token scatter, the decoder's Plan (host plan + table copy), a timing event, Run, a timing
-// event, the copy of outputs and lse back, a completion event. Timed on the host, per step,
-// issued directly and as a CUDA graph (captured each step and applied to one executable graph
-// with cudaGraphExecUpdate, the way a service whose batches change every step would have to;
-// Plan, which blocks on its previous copy and records an event, stays outside the capture, as
-// its interface intends). Also a replay of one unchanged graph: the floor a fixed shape could
-// reach. Prints the median host time to issue a step and to see it complete.
+// The service's launch sequence for one decode step of a batch of one request whose rows lie
+// in the host ring (server/backend/cuda_backend.cc): the rows (q, then the new token's K and V
+// rows) are copied straight from the request's pinned block; the decoder plans into the arena
+// (PlanInto) while that copy runs; one copy of the tables (kv_indices, token slots, plan); the
+// token scatter; a timing event, Run, a timing event; the outputs copied back; a completion
+// event. Timed on the host per step, four ways:
+//   direct: what the service does;
+//   captured + updated: everything but the plan captured each step and applied to one
+//     executable graph with cudaGraphExecUpdate (what a service whose batches change every
+//     step would have to do);
+//   one replayed: one graph replayed unchanged, no plan, rows from one block: the floor a fixed
+//     shape could reach;
+//   rows + plan + replay: what a service could do while a batch's shape stays: the rows copied
+//     and the plan made each step as in the direct way, the rest one replayed graph (its tables
+//     copy reads the arena the plan was just written into, so its parameters stay the same).
+//     A service would need first items from the table (CudaDecoderTuning): with them in the
+//     launch parameters a replay keeps the captured plan's, right here only because every
+//     step's plan is the same.
+// Steps alternate between two row blocks (of equal contents), as requests land in different
+// blocks of the ring. q and the rows are random normal bf16. Each way's outputs and lse are
+// compared with the direct way's (the largest differences are printed; the bench exits
+// non-zero past 1e-2 on an output or 1e-4 on an lse, far below what a stale or misplaced input
+// would give).
 void TimeLaunchSequence(pk::CudaDecoder& decoder, const pt::Workload& w, DeviceInputs& in,
-                        cudaStream_t stream, int iters) {
+                        cudaStream_t stream, int iters, uint64_t seed) {
   const int64_t b = w.batch_size;
   auto align = [](size_t n) { return (n + 255) / 256 * 256; };  // each section 256-byte aligned
-  const size_t q_bytes = align(b * pk::kQueryElems * 2);
-  const size_t idx_bytes = align(w.kv_indices.size() * 4);
-  const size_t slot_bytes = align(b * 8);
-  const size_t row_bytes = align(b * pk::kTokenElems * 2);
-  const size_t in_bytes = q_bytes + idx_bytes + slot_bytes + 2 * row_bytes;
-  const size_t out_bytes = q_bytes + b * pk::kNumQoHeads * 4;
-  char *host_in = nullptr, *host_out = nullptr, *dev_in = nullptr, *dev_out = nullptr;
-  CHECK_CUDA(cudaMallocHost(&host_in, in_bytes));
+  const size_t q_raw = b * pk::kQueryElems * 2;
+  const size_t rows_bytes = q_raw + 2 * b * pk::kTokenElems * 2;  // q | K rows | V rows
+  const size_t idx_off = 0;                                       // in the tables section
+  const size_t slots_off = align(w.kv_indices.size() * 4);
+  const size_t plan_off = slots_off + align(b * 8);
+  const size_t tables_bytes = plan_off + decoder.table_bytes();
+  const size_t tables_dev = align(rows_bytes);  // the tables section's offset on the device
+  const size_t out_bytes = align(q_raw) + b * pk::kNumQoHeads * 4;
+  char *blocks[2] = {nullptr, nullptr}, *host_tables = nullptr, *host_out = nullptr;
+  char *dev_in = nullptr, *dev_out = nullptr;
+  for (char*& block : blocks) CHECK_CUDA(cudaMallocHost(&block, rows_bytes));
+  CHECK_CUDA(cudaMallocHost(&host_tables, tables_bytes));
   CHECK_CUDA(cudaMallocHost(&host_out, out_bytes));
-  CHECK_CUDA(cudaMalloc(&dev_in, in_bytes));
+  CHECK_CUDA(cudaMalloc(&dev_in, tables_dev + tables_bytes));
   CHECK_CUDA(cudaMalloc(&dev_out, out_bytes));
-  std::memset(host_in, 0, in_bytes);
-  std::memcpy(host_in + q_bytes, w.kv_indices.data(), w.kv_indices.size() * 4);
-  auto* slots = reinterpret_cast<int64_t*>(host_in + q_bytes + idx_bytes);
+  {
+    std::mt19937_64 gen(seed);
+    std::normal_distribution<float> normal;
+    auto* rows = reinterpret_cast<uint16_t*>(blocks[0]);
+    for (size_t i = 0; i < rows_bytes / 2; ++i) rows[i] = pk::FloatToBf16(normal(gen));
+    std::memcpy(blocks[1], blocks[0], rows_bytes);
+  }
+  std::memset(host_tables, 0, tables_bytes);
+  std::memcpy(host_tables + idx_off, w.kv_indices.data(), w.kv_indices.size() * 4);
+  auto* slots = reinterpret_cast<int64_t*>(host_tables + slots_off);
   for (int64_t s = 0; s < b; ++s) slots[s] = int64_t{w.kv_indices[w.kv_indptr[s]]} * pk::kPageSize;
+  char* const dev_tables = dev_in + tables_dev;
   pk::DecodeArgs a = in.args;
   a.q = reinterpret_cast<const uint16_t*>(dev_in);
-  a.kv_indices = reinterpret_cast<const int32_t*>(dev_in + q_bytes);
+  a.kv_indices = reinterpret_cast<const int32_t*>(dev_tables + idx_off);
   a.output = reinterpret_cast<uint16_t*>(dev_out);
-  a.lse = reinterpret_cast<float*>(dev_out + q_bytes);
+  a.lse = reinterpret_cast<float*>(dev_out + align(q_raw));
   pk::TokenScatterArgs sc;
   sc.k_cache = in.k;
   sc.v_cache = in.v;
-  sc.slots = reinterpret_cast<const int64_t*>(dev_in + q_bytes + idx_bytes);
-  sc.k_rows = reinterpret_cast<const uint16_t*>(dev_in + q_bytes + idx_bytes + slot_bytes);
-  sc.v_rows = reinterpret_cast<const uint16_t*>(dev_in + q_bytes + idx_bytes + slot_bytes + row_bytes);
+  sc.slots = reinterpret_cast<const int64_t*>(dev_tables + slots_off);
+  sc.k_rows = reinterpret_cast<const uint16_t*>(dev_in + q_raw);
+  sc.v_rows = reinterpret_cast<const uint16_t*>(dev_in + q_raw + b * pk::kTokenElems * 2);
   sc.num_tokens = b;
   cudaEvent_t start, stop, done;
   CHECK_CUDA(cudaEventCreate(&start));
   CHECK_CUDA(cudaEventCreate(&stop));
   CHECK_CUDA(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  size_t tables_used = 0;
   auto plan = [&] {
-    CheckStatus(decoder.Plan(w.kv_indptr.data(), w.kv_last_page_len.data(), w.batch_size, stream),
-                "Plan");
+    size_t used = 0;
+    CheckStatus(decoder.PlanInto(w.kv_indptr.data(), w.kv_last_page_len.data(), w.batch_size,
+                                 host_tables + plan_off, dev_tables + plan_off, &used),
+                "PlanInto");
+    tables_used = plan_off + used;
   };
-  // The device work of a step; `flags` is cudaEventRecordExternal inside a capture (so that the
-  // timing events become graph nodes).
-  auto device_work = [&](unsigned flags) {
-    CHECK_CUDA(cudaMemcpyAsync(dev_in, host_in, in_bytes, cudaMemcpyHostToDevice, stream));
+  auto copy_rows = [&](int step) {
+    CHECK_CUDA(cudaMemcpyAsync(dev_in, blocks[step % 2], rows_bytes, cudaMemcpyHostToDevice,
+                               stream));
+  };
+  // The device work of a step after the rows; `flags` is cudaEventRecordExternal inside a
+  // capture (so that the timing events become graph nodes).
+  auto after_rows = [&](unsigned flags) {
+    CHECK_CUDA(cudaMemcpyAsync(dev_tables, host_tables, tables_used, cudaMemcpyHostToDevice,
+                               stream));
     CheckStatus(pk::LaunchTokenScatter(sc, stream), "LaunchTokenScatter");
     CHECK_CUDA(cudaEventRecordWithFlags(start, stream, flags));
     CheckStatus(decoder.Run(a, stream), "Run");
@@ -479,47 +514,90 @@ void TimeLaunchSequence(pk::CudaDecoder& decoder, const pt::Workload& w, DeviceI
   auto us = [](Clock::time_point a0, Clock::time_point a1) {
     return std::chrono::duration<double, std::micro>(a1 - a0).count();
   };
-  // One step's device work recorded into a new graph (the caller destroys it).
-  auto capture = [&] {
+  // Work recorded into a new graph (the caller destroys it).
+  auto capture = [&](auto&& work) {
     cudaGraph_t graph = nullptr;
     CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    device_work(cudaEventRecordExternal);
+    work();
     CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
     return graph;
   };
-  cudaGraphExec_t exec = nullptr;
+  auto instantiate = [&](auto&& work) {
+    cudaGraph_t graph = capture(work);
+    cudaGraphExec_t exec = nullptr;
+    CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    CHECK_CUDA(cudaGraphDestroy(graph));
+    return exec;
+  };
+  cudaGraphExec_t updated = nullptr;
   cudaGraphExec_t fixed = nullptr;
+  cudaGraphExec_t tail = nullptr;
   int updates_failed = 0;
-  for (int mode = 0; mode < 3; ++mode) {
+  std::vector<char> reference;
+  bool all_close = true;
+  // The largest differences of host_out from `reference`: outputs (bf16), lse.
+  auto differences = [&] {
+    const auto* o = reinterpret_cast<const uint16_t*>(host_out);
+    const auto* r = reinterpret_cast<const uint16_t*>(reference.data());
+    // Equal values (-inf lse included) differ by 0; a NaN on either side counts as infinite.
+    auto diff = [](float x, float y) {
+      if (x == y) return 0.0f;
+      const float d = std::fabs(x - y);
+      return std::isnan(d) ? INFINITY : d;
+    };
+    float out_diff = 0.0f, lse_diff = 0.0f;
+    for (int64_t i = 0; i < b * pk::kQueryElems; ++i) {
+      out_diff = std::max(out_diff, diff(pk::Bf16ToFloat(o[i]), pk::Bf16ToFloat(r[i])));
+    }
+    const auto* ol = reinterpret_cast<const float*>(host_out + align(q_raw));
+    const auto* rl = reinterpret_cast<const float*>(reference.data() + align(q_raw));
+    for (int64_t i = 0; i < b * pk::kNumQoHeads; ++i) {
+      lse_diff = std::max(lse_diff, diff(ol[i], rl[i]));
+    }
+    return std::pair<float, float>(out_diff, lse_diff);
+  };
+  static const char* const kModes[] = {"direct launches", "graph, captured + updated",
+                                       "graph, one replayed", "rows + plan + replay"};
+  for (int mode = 0; mode < 4; ++mode) {
     std::vector<double> issue, total, kernel;
     for (int r = 0; r < iters + 20; ++r) {
       const Clock::time_point t0 = Clock::now();
       if (mode == 0) {
+        copy_rows(r);
         plan();
-        device_work(cudaEventRecordDefault);
+        after_rows(cudaEventRecordDefault);
       } else if (mode == 1) {
         plan();
-        cudaGraph_t graph = capture();
-        if (exec != nullptr) {
+        cudaGraph_t graph = capture([&] {
+          copy_rows(r);
+          after_rows(cudaEventRecordExternal);
+        });
+        if (updated != nullptr) {
           cudaGraphExecUpdateResultInfo info;
-          if (cudaGraphExecUpdate(exec, graph, &info) != cudaSuccess) {
+          if (cudaGraphExecUpdate(updated, graph, &info) != cudaSuccess) {
             cudaGetLastError();
             ++updates_failed;
-            CHECK_CUDA(cudaGraphExecDestroy(exec));
-            exec = nullptr;
+            CHECK_CUDA(cudaGraphExecDestroy(updated));
+            updated = nullptr;
           }
         }
-        if (exec == nullptr) CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+        if (updated == nullptr) CHECK_CUDA(cudaGraphInstantiate(&updated, graph, 0));
         CHECK_CUDA(cudaGraphDestroy(graph));
-        CHECK_CUDA(cudaGraphLaunch(exec, stream));
-      } else {
+        CHECK_CUDA(cudaGraphLaunch(updated, stream));
+      } else if (mode == 2) {
         if (fixed == nullptr) {
           plan();
-          cudaGraph_t graph = capture();
-          CHECK_CUDA(cudaGraphInstantiate(&fixed, graph, 0));
-          CHECK_CUDA(cudaGraphDestroy(graph));
+          fixed = instantiate([&] {
+            copy_rows(0);
+            after_rows(cudaEventRecordExternal);
+          });
         }
         CHECK_CUDA(cudaGraphLaunch(fixed, stream));
+      } else {
+        copy_rows(r);
+        plan();
+        if (tail == nullptr) tail = instantiate([&] { after_rows(cudaEventRecordExternal); });
+        CHECK_CUDA(cudaGraphLaunch(tail, stream));
       }
       CHECK_CUDA(cudaEventRecord(done, stream));
       const Clock::time_point t1 = Clock::now();
@@ -533,21 +611,31 @@ void TimeLaunchSequence(pk::CudaDecoder& decoder, const pt::Workload& w, DeviceI
         kernel.push_back(ms * 1e3);
       }
     }
-    static const char* const kModes[] = {"direct launches", "graph, captured + updated",
-                                         "graph, one replayed"};
-    std::printf("  %-26s issue %6.1f us  issue->done %6.1f us (p90 %6.1f)  kernel %6.1f us\n",
-                kModes[mode], Median(issue), Median(total), Quantile(total, 0.9), Median(kernel));
+    if (mode == 0) reference.assign(host_out, host_out + out_bytes);
+    const auto [out_diff, lse_diff] = differences();
+    const bool close = out_diff <= 1e-2f && lse_diff <= 1e-4f;
+    all_close = all_close && close;
+    std::printf("  %-26s issue %6.1f us  issue->done %6.1f us (p90 %6.1f)  kernel %6.1f us  "
+                "vs direct: out %.1e lse %.1e%s\n",
+                kModes[mode], Median(issue), Median(total), Quantile(total, 0.9), Median(kernel),
+                out_diff, lse_diff, close ? "" : "  DIFFERS");
   }
   if (updates_failed > 0) std::printf("  (%d graph updates fell back to a new instantiation)\n", updates_failed);
-  if (exec != nullptr) cudaGraphExecDestroy(exec);
-  if (fixed != nullptr) cudaGraphExecDestroy(fixed);
+  for (cudaGraphExec_t exec : {updated, fixed, tail}) {
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+  }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   cudaEventDestroy(done);
-  cudaFreeHost(host_in);
+  for (char* block : blocks) cudaFreeHost(block);
+  cudaFreeHost(host_tables);
   cudaFreeHost(host_out);
   cudaFree(dev_in);
   cudaFree(dev_out);
+  if (!all_close) {
+    std::fprintf(stderr, "launch sequence: a graph way's outputs differ from the direct way's\n");
+    std::exit(1);
+  }
 }
 
 }  // namespace
@@ -812,14 +900,14 @@ int main(int argc, char** argv) {
       DeviceInputs in;
       in.Init(w, rng());
       std::printf(" %s:\n", name.c_str());
-      TimeLaunchSequence(*tma, w, in, stream, 500);
+      TimeLaunchSequence(*tma, w, in, stream, 500, rng());
       // The host cost of v6's first work items in the launch parameters (8 KiB per launch).
       pk::CudaDecoderOptions o;  // the defaults, as `tma` (options is cp.async's by now)
       o.tuning.first_items_in_params = false;
       std::unique_ptr<pk::CudaDecoder> table_only;
       CheckStatus(pk::CudaDecoder::Create(o, &table_only), "Create (first items from the table)");
       std::printf(" %s, first items from the table (not the launch parameters):\n", name.c_str());
-      TimeLaunchSequence(*table_only, w, in, stream, 500);
+      TimeLaunchSequence(*table_only, w, in, stream, 500, rng());
     }
   }
   if (variants || timelines) {
