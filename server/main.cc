@@ -73,6 +73,10 @@ ABSL_FLAG(bool, cuda_kernel_writes_outputs, true,
           "CUDA backend: a batch of one request received into the host ring gets its outputs "
           "written by the kernel straight into the request's pinned block; false: copied back "
           "after the kernel");
+ABSL_FLAG(bool, cuda_plan_thread, true,
+          "CUDA backend: plan each batch's decode on a helper thread (spinning like the copy "
+          "threads) while the executor issues the batch's row copies and packs its tables; "
+          "false: the executor plans in line");
 ABSL_FLAG(bool, cuda_stream_per_slot, true,
           "CUDA backend: each in-flight batch on its own stream, so that its input and output "
           "copies overlap the neighbouring batches' kernels (their work on the pool stays in "
@@ -123,6 +127,7 @@ CudaBackend::Options CudaOptionsFromFlags() {
   options.stream_per_slot = absl::GetFlag(FLAGS_cuda_stream_per_slot);
   options.host_ring_bytes = absl::GetFlag(FLAGS_cuda_host_ring_mib) * (int64_t{1} << 20);
   options.kernel_writes_outputs = absl::GetFlag(FLAGS_cuda_kernel_writes_outputs);
+  options.plan_on_helper = absl::GetFlag(FLAGS_cuda_plan_thread);
   return options;
 }
 #endif

@@ -19,6 +19,7 @@
 #include "pagedattn/kernels/kv_write.h"
 #include "server/backend/copy_list.h"
 #include "server/backend/cuda_staging.h"
+#include "server/backend/helper_thread.h"
 #include "server/backend/thread_pool.h"
 
 namespace pagedattn {
@@ -139,6 +140,33 @@ struct Slot {
   double pack_seconds = 0.0;     // host copies into host_in, all rounds of the batch
 };
 
+// A round's plan, run on the helper (or in line without one) and joined before the round's
+// tables are copied, or on any way out of the round: the task refers to the round's locals.
+class PlanOnHelper {
+ public:
+  explicit PlanOnHelper(HelperThread* helper) : helper_(helper) {}
+  PlanOnHelper(const PlanOnHelper&) = delete;
+  PlanOnHelper& operator=(const PlanOnHelper&) = delete;
+  ~PlanOnHelper() { Join(); }
+  template <typename Task>
+  void Post(const Task& task) {
+    if (helper_ == nullptr) {
+      task();
+      return;
+    }
+    helper_->Post(task);
+    posted_ = true;
+  }
+  void Join() {
+    if (posted_) helper_->Join();
+    posted_ = false;
+  }
+
+ private:
+  HelperThread* const helper_;
+  bool posted_ = false;
+};
+
 double SecondsSince(std::chrono::steady_clock::time_point begin) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
 }
@@ -183,6 +211,7 @@ struct CudaBackend::Impl {
   std::vector<Round> rounds;            // scratch of Launch
   std::vector<int32_t> rebased_indptr;  // scratch of Launch: [max_batch_size + 1]
   std::unique_ptr<ThreadPool> copier;   // runs `copies`
+  std::unique_ptr<HelperThread> planner;  // plans beside Launch; null: plans in line
   CopyList copies;                      // scratch of Launch and Wait: one round's host copies
   char* ring_memory = nullptr;          // pinned [host_ring_bytes]
   char* ring_device = nullptr;          // ring_memory as the device addresses it
@@ -264,6 +293,12 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Options& 
                           .spin = absl::Microseconds(options.spin_wait_us)});
   if (!pool.ok()) return pool.status();
   impl->copier = *std::move(pool);
+  if (options.plan_on_helper) {
+    absl::StatusOr<std::unique_ptr<HelperThread>> planner =
+        HelperThread::Create({.spin = absl::Microseconds(options.spin_wait_us)});
+    if (!planner.ok()) return planner.status();
+    impl->planner = *std::move(planner);
+  }
   return std::unique_ptr<CudaBackend>(new CudaBackend(std::move(impl)));
 }
 
@@ -453,11 +488,30 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
     const RoundLayout l = LayoutRound(ns, ni, r.num_copies(), r.num_tokens(), cap.plan_bytes);
     char* const h = slot.host_in;
     char* const dev = slot.dev_in;
+    // The decoder plans into the arena (its tables travel in the arena's copy; the slot's
+    // decoder and arena are free: the previous batch was waited, or the previous round waited
+    // for above), on the helper while this thread issues the row copies and packs the tables.
+    const int32_t* indptr = nullptr;
+    if (ns > 0) {
+      indptr = plan.kv_indptr.data() + r.seq_begin;
+      if (r.seq_begin > 0) {
+        for (int32_t s = 0; s <= ns; ++s) rebased_indptr[s] = indptr[s] - indptr[0];
+        indptr = rebased_indptr.data();
+      }
+    }
+    absl::Status planned;
+    size_t used = 0;
+    const auto plan_task = [&] {
+      const auto plan_begin = std::chrono::steady_clock::now();
+      planned = KernelFailure(slot.decoder->PlanInto(
+          indptr, plan.kv_last_page_len.data() + r.seq_begin, ns, h + l.plan, dev + l.plan, &used));
+      slot.plan_seconds += SecondsSince(plan_begin);
+    };
+    PlanOnHelper plan_join(planner.get());
+    if (ns > 0) plan_join.Post(plan_task);
     // The rows straight from the requests' host blocks when they can: their copies go first,
     // so that they run while the host plans and packs the tables. Else the rows are packed with
-    // the tables. The decoder plans into the arena (its tables travel in the arena's copy; the
-    // slot's decoder and arena are free: the previous batch was waited, or the previous round
-    // waited for above).
+    // the tables.
     RowRuns(batch, r.seq_begin, ns, r.num_tokens(), cursor, l, &runs);
     const bool direct_in = Direct(runs);
     if (direct_in) {
@@ -466,20 +520,6 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
         PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev + run.offset, run.host, run.bytes,
                                                 cudaMemcpyHostToDevice, stream));
       }
-    }
-    int64_t end = l.plan;  // of what the arena's copy moves: the plan's used tables
-    if (ns > 0) {
-      const int32_t* indptr = plan.kv_indptr.data() + r.seq_begin;
-      if (r.seq_begin > 0) {
-        for (int32_t s = 0; s <= ns; ++s) rebased_indptr[s] = indptr[s] - indptr[0];
-        indptr = rebased_indptr.data();
-      }
-      const auto plan_begin = std::chrono::steady_clock::now();
-      size_t used = 0;
-      PA_RETURN_IF_ERROR(KernelFailure(slot.decoder->PlanInto(
-          indptr, plan.kv_last_page_len.data() + r.seq_begin, ns, h + l.plan, dev + l.plan, &used)));
-      end += static_cast<int64_t>(used);
-      slot.plan_seconds += SecondsSince(plan_begin);
     }
     const auto pack_begin = std::chrono::steady_clock::now();
     copies.Clear();
@@ -504,6 +544,9 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
     // Non-temporal stores: the arena's next reader is the copy to the device below.
     copies.Run(copier.get(), CopyList::kDefaultParallelBytes, CopyList::Reader::kDevice);
     slot.pack_seconds += SecondsSince(pack_begin);
+    plan_join.Join();
+    PA_RETURN_IF_ERROR(planned);
+    const int64_t end = l.plan + static_cast<int64_t>(used);  // the arena's copy: to the plan's end
     if (direct_in) {
       if (end > l.indices) {
         PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev + l.indices, h + l.indices, end - l.indices,
@@ -514,8 +557,8 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
       PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, h, end, cudaMemcpyHostToDevice, stream));
     }
     // The pool work of consecutive batches in launch order: this batch's copy above may run
-    // while the previous batch's kernels do, its pool work not.
-    // (A previous batch already done needs no wait: one call fewer when batches come apart.)
+    // while the previous batch's kernels do, its pool work not. (No wait when the previous
+    // batch was waited already, or its pool work has ended.)
     if (i == 0 && last_pool_done != nullptr) {
       const cudaError_t q = cudaEventQuery(last_pool_done);
       if (q == cudaErrorNotReady) {
@@ -639,6 +682,11 @@ absl::Status CudaBackend::Wait(BackendBatch* batch) {
   }
   if (absl::Status s = d.WaitEvent(slot.done, "waiting for a batch"); !s.ok()) {
     return d.Fail(std::move(s));
+  }
+  // Its pool work ended before its done event: the next batch need not ask (one call fewer
+  // when batches come apart, as with a single caller).
+  if (d.last_pool_done == slot.stop || d.last_pool_done == slot.pool_done) {
+    d.last_pool_done = nullptr;
   }
   batch->kernel_seconds = 0.0;
   batch->pack_seconds = slot.pack_seconds;

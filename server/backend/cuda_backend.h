@@ -71,6 +71,10 @@ class CudaBackend final : public Backend {
     // writes them there itself (mapped pinned memory), so no copy back follows it. false: they
     // are copied back from the device like any other direct batch's.
     bool kernel_writes_outputs = true;
+    // The decoder's plan of a batch made on a helper thread (helper_thread.h) while the
+    // launching thread issues the batch's row copies and packs its tables; false: in line.
+    // The helper spins spin_wait_us after each plan, like the copy threads.
+    bool plan_on_helper = true;
   };
   // Most copies in one direction for which a batch skips the host packing: a copy costs a few
   // microseconds to issue, packing 64 rows of 6 KiB a few tens.

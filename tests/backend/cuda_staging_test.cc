@@ -360,6 +360,25 @@ TEST_F(ValidateBatchTest, RejectsAPoolPageOutOfRange) {
   EXPECT_EQ(ValidateBatch(batch_, shape_).code(), absl::StatusCode::kInternal);
 }
 
+// The page check goes eight at a time, then one at a time: a bad page is found at every
+// position of a longer list, on both sides of the range; the pages at the range's ends pass.
+TEST_F(ValidateBatchTest, FindsABadPageAnywhereInALongList) {
+  std::vector<int32_t> pages(37);
+  for (size_t i = 0; i < pages.size(); ++i) pages[i] = i % 2 == 0 ? 0 : 19;
+  batch_.plan.kv_indices = pages;
+  batch_.plan.kv_indptr = {0, static_cast<int32_t>(pages.size())};
+  ASSERT_TRUE(ValidateBatch(batch_, shape_).ok());
+  for (size_t at = 0; at < pages.size(); ++at) {
+    for (int32_t bad : {20, -1, std::numeric_limits<int32_t>::min(),
+                        std::numeric_limits<int32_t>::max()}) {
+      batch_.plan.kv_indices = pages;
+      batch_.plan.kv_indices[at] = bad;
+      EXPECT_EQ(ValidateBatch(batch_, shape_).code(), absl::StatusCode::kInternal)
+          << "page " << bad << " at " << at;
+    }
+  }
+}
+
 TEST_F(ValidateBatchTest, RejectsASlotOutOfRange) {
   batch_.write_slots[1] = 2 * 10 * 64;
   EXPECT_EQ(ValidateBatch(batch_, shape_).code(), absl::StatusCode::kInternal);
