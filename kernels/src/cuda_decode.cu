@@ -237,7 +237,8 @@ KernelStatus CudaDecoder::Create(const Options& options, std::unique_ptr<CudaDec
 }
 
 KernelStatus CudaDecoder::Plan(const int32_t* kv_indptr, const int32_t* kv_last_page_len,
-                               int32_t batch_size, CudaStream stream) {
+                               int32_t batch_size, CudaStream stream,
+                               const int32_t* append_rows) {
   Impl& d = *impl_;
   if (d.copy_pending) {
     PA_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(d.copy_done), "cudaEventSynchronize");
@@ -245,7 +246,7 @@ KernelStatus CudaDecoder::Plan(const int32_t* kv_indptr, const int32_t* kv_last_
   }
   d.planned = false;
   KernelStatus st = BuildDecodePlan(kv_indptr, kv_last_page_len, batch_size, d.capacity,
-                                    d.host_table, &d.plan);
+                                    d.host_table, &d.plan, append_rows);
   if (!st.ok()) return st;
   PA_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(d.dev_table, d.host_table, d.plan.used_bytes,
                                           cudaMemcpyHostToDevice, stream),
@@ -260,7 +261,7 @@ KernelStatus CudaDecoder::Plan(const int32_t* kv_indptr, const int32_t* kv_last_
 
 KernelStatus CudaDecoder::PlanInto(const int32_t* kv_indptr, const int32_t* kv_last_page_len,
                                    int32_t batch_size, void* host_table, void* dev_table,
-                                   size_t* used_bytes) {
+                                   size_t* used_bytes, const int32_t* append_rows) {
   Impl& d = *impl_;
   d.planned = false;
   if (host_table == nullptr || dev_table == nullptr || used_bytes == nullptr ||
@@ -268,7 +269,7 @@ KernelStatus CudaDecoder::PlanInto(const int32_t* kv_indptr, const int32_t* kv_l
     return Invalid("CudaDecoder::PlanInto: null or unaligned table or used_bytes");
   }
   KernelStatus st = BuildDecodePlan(kv_indptr, kv_last_page_len, batch_size, d.capacity,
-                                    host_table, &d.plan);
+                                    host_table, &d.plan, append_rows);
   if (!st.ok()) return st;
   *used_bytes = d.plan.used_bytes;
   d.run_host_table = host_table;
@@ -280,6 +281,11 @@ KernelStatus CudaDecoder::PlanInto(const int32_t* kv_indptr, const int32_t* kv_l
 size_t CudaDecoder::table_bytes() const { return impl_->capacity.TableBytes(); }
 
 KernelStatus CudaDecoder::Run(const DecodeArgs& args, CudaStream stream) {
+  return Run(args, NewTokenRows{}, stream);
+}
+
+KernelStatus CudaDecoder::Run(const DecodeArgs& args, const NewTokenRows& rows,
+                              CudaStream stream) {
   Impl& d = *impl_;
   if (!d.planned) {
     return KernelStatus::Error(KernelCode::kFailedPrecondition, "CudaDecoder::Run before Plan");
@@ -305,6 +311,14 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, CudaStream stream) {
       return Invalid("CudaDecoder::Run: q, k_cache and v_cache must be 16-byte aligned");
     }
   }
+  if (d.plan.num_appends > 0) {
+    if (rows.k == nullptr || rows.v == nullptr || !Aligned16(rows.k) || !Aligned16(rows.v)) {
+      return Invalid("CudaDecoder::Run: the plan appends tokens: new rows null or unaligned");
+    }
+    if (rows.k_cache != args.k_cache || rows.v_cache != args.v_cache) {
+      return Invalid("CudaDecoder::Run: the plan appends tokens: rows name other caches");
+    }
+  }
 
   detail::KernelParams p;
   std::memset(&p, 0, sizeof p);
@@ -328,6 +342,10 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, CudaStream stream) {
   p.k_cache = args.k_cache;
   p.v_cache = args.v_cache;
   p.kv_indices = args.kv_indices;
+  p.new_k = rows.k;
+  p.new_v = rows.v;
+  p.k_out = rows.k_cache;
+  p.v_out = rows.v_cache;
   p.output = args.output;
   p.lse = args.lse;
   p.header = reinterpret_cast<const PlanHeader*>(table);

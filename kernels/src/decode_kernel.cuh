@@ -69,6 +69,10 @@ struct KernelParams {
   const uint16_t* k_cache;     // [pages, 64, 4, 128] bf16 (cp.async path)
   const uint16_t* v_cache;     // [pages, 64, 4, 128] bf16 (cp.async path)
   const int32_t* kv_indices;   // [total pages]
+  const uint16_t* new_k;       // [rows, 4, 128] bf16: the tokens the plan appends (decode_plan.h)
+  const uint16_t* new_v;       // [rows, 4, 128] bf16
+  uint16_t* k_out;             // k_cache, where those tokens are written (null without appends)
+  uint16_t* v_out;             // v_cache, the same
   uint16_t* output;            // [batch, 24, 128] bf16
   float* lse;                  // [batch, 24] fp32, base 2
   const PlanHeader* header;    // the plan's header (number of parts)
@@ -232,6 +236,31 @@ __device__ __forceinline__ void IssueStage(const KernelParams& p, SharedStorage&
   ring.Advance();
 }
 
+// An appended token (decode_plan.h): lanes 0-15 hold 16 bytes each of the item's KV head's part
+// of its K row, lanes 16-31 of its V row.
+__device__ __forceinline__ uint4 LoadNewRow(const KernelParams& p, const WorkItem& it, int row,
+                                            int lane) {
+  const int kvh = it.seq_head % kNumKvHeads;
+  const uint16_t* src = lane < 16 ? p.new_k : p.new_v;
+  return __ldg(reinterpret_cast<const uint4*>(src + int64_t{row} * kTokenElems + kvh * kHeadDim) +
+               (lane & 15));
+}
+
+// Stores the appended token into its place, the last valid token of page `page`, before that
+// page's copy is issued: the stores, then a proxy fence in every lane and a warp barrier, so that
+// the copy engine's read (TMA, the async proxy) or the lanes' cp.async see them.
+template <bool kTma>
+__device__ __forceinline__ void StoreNewRow(const KernelParams& p, const WorkItem& it, int page,
+                                            const uint4& row, int lane) {
+  const int kvh = it.seq_head % kNumKvHeads;
+  const int token = (it.last_len & kLastLenMask) - 1;
+  uint16_t* dst = (lane < 16 ? p.k_out : p.v_out) + int64_t{page} * kPageElems +
+                  token * kTokenElems + kvh * kHeadDim;
+  reinterpret_cast<uint4*>(dst)[lane & 15] = row;
+  if constexpr (kTma) ptx::FenceProxyAsyncGlobal();
+  __syncwarp();
+}
+
 // The items of one part (head and its rest), page by page; each item's page ids 32 at a time
 // (a lane each), the next item's work item in flight meanwhile. (Loading the work items two
 // ahead and each next chunk of page ids a chunk ahead measured no faster: NOTES.md, v7.)
@@ -247,11 +276,20 @@ __device__ void ProducePart(const KernelParams& p, SharedStorage& s, Ring& ring,
       ProduceTagOnly<kTma>(s, ring, kTagEmpty, it, lane);
       continue;
     }
+    // An item that ends a sequence the plan appends to loads the token's row now, while its page
+    // ids make their trip, and stores it just before its last page is issued.
+    const int append_row = (it.last_len >> kLastLenBits) - 1;
+    uint4 new_row = make_uint4(0u, 0u, 0u, 0u);
+    if (append_row >= 0) new_row = LoadNewRow(p, it, append_row, lane);
     for (int base = 0; base < it.num_pages; base += 32) {
       const int ids = LoadPageIds(p, it, base, lane);
       const int n = min(32, it.num_pages - base);
       for (int j = 0; j < n; ++j) {
-        IssueStage<kTma>(p, s, ring, it, base + j, __shfl_sync(0xffffffffu, ids, j), lane);
+        const int page = __shfl_sync(0xffffffffu, ids, j);
+        if (append_row >= 0 && base + j == it.num_pages - 1) {
+          StoreNewRow<kTma>(p, it, page, new_row, lane);
+        }
+        IssueStage<kTma>(p, s, ring, it, base + j, page, lane);
       }
     }
   }
@@ -633,7 +671,7 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, int warp, int l
           qa[ks][1] = g < kGroupSize ? ptx::LdsU32(qrow + ks * 32 + 16) : 0u;
         }
       }
-      const int valid = it.page == it.num_pages - 1 ? it.last_len : kPageSize;
+      const int valid = it.page == it.num_pages - 1 ? it.last_len & kLastLenMask : kPageSize;
       if (t0 < valid && !p.skip_attention) {
         const bool tail = valid < t0 + kTokensPerWarp;
         const bool in_shared = tail && p.zero_tail_in_shared;

@@ -63,7 +63,7 @@ class SegmentCursor {
 
 KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_page_len,
                              int32_t batch_size, const PlanCapacity& capacity, void* table,
-                             PlanSummary* summary) {
+                             PlanSummary* summary, const int32_t* append_rows) {
   const int32_t num_ctas = capacity.num_ctas;
   if (num_ctas < 1 || num_ctas > kMaxPlanCtas) {
     return Invalid("plan: num_ctas " + std::to_string(num_ctas) + " outside 1.." +
@@ -90,6 +90,7 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
   }
   if (batch_size > 0 && kv_indptr[0] != 0) return Invalid("plan: kv_indptr[0] != 0");
   int32_t num_empty = 0;
+  int32_t num_appends = 0;
   for (int32_t b = 0; b < batch_size; ++b) {
     const int32_t pages = kv_indptr[b + 1] - kv_indptr[b];
     if (kv_indptr[b + 1] < kv_indptr[b]) {
@@ -100,6 +101,14 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
     } else if (kv_last_page_len[b] < 1 || kv_last_page_len[b] > kPageSize) {
       return Invalid("plan: kv_last_page_len[" + std::to_string(b) + "] = " +
                      std::to_string(kv_last_page_len[b]) + " outside 1..64");
+    }
+    if (append_rows != nullptr && append_rows[b] != -1) {
+      if (append_rows[b] < 0 || append_rows[b] >= kMaxAppendRows || pages == 0) {
+        return Invalid("plan: append_rows[" + std::to_string(b) + "] = " +
+                       std::to_string(append_rows[b]) +
+                       (pages == 0 ? " for an empty sequence" : " outside -1..2^22-1"));
+      }
+      ++num_appends;
     }
   }
 
@@ -171,7 +180,11 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
         item.page_begin = static_cast<int32_t>(kv_indptr[seg.seq()] + (a - seg.begin()));
         item.num_pages = static_cast<int32_t>(e - a);
         item.seq_head = seg.seq() * kNumKvHeads + seg.head();
-        item.last_len = e == seg.end() ? kv_last_page_len[seg.seq()] : kPageSize;
+        item.last_len = kPageSize;
+        if (e == seg.end()) {
+          const int32_t row = append_rows == nullptr ? -1 : append_rows[seg.seq()];
+          item.last_len = kv_last_page_len[seg.seq()] | ((row + 1) << kLastLenBits);
+        }
         if (!whole) {
           if (open_segment_begin != seg.begin()) {
             if (num_groups >= capacity.MaxGroups()) return Invalid("plan: merge groups overflow");
@@ -225,6 +238,7 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
   summary->num_groups = num_groups;
   summary->num_slots = num_slots;
   summary->active_parts = active_parts;
+  summary->num_appends = num_appends;
   summary->used_bytes =
       capacity.ItemsOffset() + static_cast<size_t>(num_parts + rest_used) * sizeof(WorkItem);
   return KernelStatus::Ok();

@@ -72,6 +72,12 @@ __device__ __forceinline__ void FenceProxyAsync() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+// Orders this thread's generic-proxy global-memory writes before later async-proxy accesses
+// (a TMA copy that reads them, issued after a barrier with this thread).
+__device__ __forceinline__ void FenceProxyAsyncGlobal() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 // ---- cp.async (the fallback load path) ----
 __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");

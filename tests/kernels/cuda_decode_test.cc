@@ -434,6 +434,127 @@ TEST_F(CudaDecodeTest, ReplanningServesANewBatch) {
   }
 }
 
+// The kernel writes the newest token of some sequences itself (a plan with append_rows): the
+// outputs equal the reference over caches that already hold the token, and afterwards the
+// caches hold it, in K and V, for all 4 KV heads. Before each run the token's place holds NaN,
+// so an attention that read the page before the write would fail the comparison.
+TEST_F(CudaDecodeTest, AppendsTheNewestTokenBeforeReadingIt) {
+  std::mt19937 rng(FreshSeed());
+  Batch b;
+  b.name = "appends";
+  b.num_pages = 8192;
+  const std::vector<int32_t> pages = RandomPages(rng, 8192, 8192);
+  int next = 0;
+  // (pages, last_len, appends): split sequences (700, 361 pages), one-page ones, a full last
+  // page, a token that starts a new page, sequences that do not append, an empty one.
+  const struct { int pages, last; bool append; } shapes[] = {
+      {700, 1, true}, {361, 64, true}, {1, 1, true},   {1, 64, true}, {3, 33, false},
+      {0, 0, false},  {64, 17, true},  {2, 2, false},  {40, 63, true}, {1, 5, true},
+      {129, 64, false}, {8, 48, true}};
+  std::vector<int32_t> append_rows;
+  for (const auto& sh : shapes) {
+    b.Add(std::vector<int32_t>(pages.begin() + next, pages.begin() + next + sh.pages), sh.last);
+    next += sh.pages;
+    append_rows.push_back(sh.append ? 0 : -1);
+  }
+  // Rows in a shuffled order, with rows that no sequence uses in between.
+  std::vector<int32_t> order(append_rows.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  const int32_t num_rows = static_cast<int32_t>(2 * order.size());
+  for (size_t i = 0; i < order.size(); ++i) {
+    if (append_rows[order[i]] == 0) append_rows[order[i]] = static_cast<int32_t>(2 * i + 1);
+  }
+  std::normal_distribution<float> normal;
+  std::vector<uint16_t> new_k(int64_t{num_rows} * kTokenElems), new_v(new_k.size());
+  for (auto& x : new_k) x = FloatToBf16(normal(rng));
+  for (auto& x : new_v) x = FloatToBf16(normal(rng));
+
+  DeviceBatch dev;
+  std::string error;
+  ASSERT_TRUE(dev.Init(b, FreshSeed(), &error)) << error;
+  const DecodeArgs args = dev.Args();
+  auto* k_cache = const_cast<uint16_t*>(args.k_cache);  // the test's own device memory
+  auto* v_cache = const_cast<uint16_t*>(args.v_cache);
+  // Where sequence s's newest token lies in a cache (elements).
+  auto place = [&](int32_t s) {
+    return int64_t{b.indices[b.indptr[s + 1] - 1]} * kPageElems + (b.last[s] - 1) * kTokenElems;
+  };
+  auto put = [&](int32_t s, const uint16_t* k_row, const uint16_t* v_row) {
+    ASSERT_EQ(cudaMemcpy(k_cache + place(s), k_row, kTokenElems * 2, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(v_cache + place(s), v_row, kTokenElems * 2, cudaMemcpyHostToDevice),
+              cudaSuccess);
+  };
+  // The reference: the caches with the tokens already in place.
+  for (int32_t s = 0; s < b.size(); ++s) {
+    const int32_t r = append_rows[s];
+    if (r >= 0) put(s, new_k.data() + r * kTokenElems, new_v.data() + r * kTokenElems);
+  }
+  std::vector<double> ref_out, ref_lse;
+  ASSERT_TRUE(dev.Reference(&ref_out, &ref_lse, &error)) << error;
+
+  uint16_t* dev_rows = nullptr;
+  ASSERT_EQ(cudaMalloc(&dev_rows, 2 * new_k.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dev_rows, new_k.data(), new_k.size() * 2, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dev_rows + new_k.size(), new_v.data(), new_v.size() * 2,
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  NewTokenRows rows;
+  rows.k = dev_rows;
+  rows.v = dev_rows + new_k.size();
+  rows.k_cache = k_cache;
+  rows.v_cache = v_cache;
+  const std::vector<uint16_t> nan_row(kTokenElems, 0x7fc0);
+  for (size_t di = 0; di < decoders_.size(); ++di) {
+    SCOPED_TRACE(Label(di));
+    for (int32_t s = 0; s < b.size(); ++s) {
+      if (append_rows[s] >= 0) put(s, nan_row.data(), nan_row.data());
+    }
+    KernelStatus st = decoders_[di]->Plan(b.indptr.data(), b.last.data(), b.size(), nullptr,
+                                          append_rows.data());
+    ASSERT_TRUE(st.ok()) << st.message;
+    ASSERT_TRUE(dev.Poison(nullptr, &error)) << error;
+    st = decoders_[di]->Run(args, rows, nullptr);
+    ASSERT_TRUE(st.ok()) << st.message;
+    std::vector<uint16_t> out;
+    std::vector<float> lse;
+    ASSERT_TRUE(dev.Fetch(nullptr, &out, &lse, &error)) << error;
+    double rel = 0, lse_err = 0;
+    EXPECT_EQ(Compare(b, out, lse, ref_out, ref_lse, &rel, &lse_err), "");
+    std::printf("  %-34s %-8s: worst rel L2 %.2e, worst |lse err| %.2e\n", b.name.c_str(),
+                Label(di), rel, lse_err);
+    for (int32_t s = 0; s < b.size(); ++s) {
+      const int32_t r = append_rows[s];
+      if (r < 0) continue;
+      std::vector<uint16_t> k_row(kTokenElems), v_row(kTokenElems);
+      ASSERT_EQ(cudaMemcpy(k_row.data(), k_cache + place(s), kTokenElems * 2,
+                           cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(v_row.data(), v_cache + place(s), kTokenElems * 2,
+                           cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      EXPECT_TRUE(std::equal(k_row.begin(), k_row.end(), new_k.begin() + r * kTokenElems))
+          << "sequence " << s << ": K row not written";
+      EXPECT_TRUE(std::equal(v_row.begin(), v_row.end(), new_v.begin() + r * kTokenElems))
+          << "sequence " << s << ": V row not written";
+    }
+  }
+  // A plan with appends runs only with rows, and rows of these caches.
+  ASSERT_TRUE(decoders_[0]->Plan(b.indptr.data(), b.last.data(), b.size(), nullptr,
+                                 append_rows.data()).ok());
+  EXPECT_EQ(decoders_[0]->Run(args, nullptr).code, KernelCode::kInvalidArgument);
+  NewTokenRows other = rows;
+  other.k_cache = k_cache + kPageElems;
+  EXPECT_EQ(decoders_[0]->Run(args, other, nullptr).code, KernelCode::kInvalidArgument);
+  NewTokenRows unaligned = rows;
+  unaligned.k = rows.k + 1;
+  EXPECT_EQ(decoders_[0]->Run(args, unaligned, nullptr).code, KernelCode::kInvalidArgument);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaFree(dev_rows);
+}
+
 TEST_F(CudaDecodeTest, ReportsMisuseAsStatus) {
   CudaDecoderOptions options;
   options.max_batch_size = 4;

@@ -20,6 +20,8 @@ namespace {
 struct Batch {
   std::vector<int32_t> indptr{0};
   std::vector<int32_t> last;
+  std::vector<int32_t> append_rows;  // empty: no appends
+  int32_t AppendRow(int32_t seq) const { return append_rows.empty() ? -1 : append_rows[seq]; }
   void Add(int32_t pages, int32_t last_len) {
     indptr.push_back(indptr.back() + pages);
     last.push_back(pages == 0 ? 0 : last_len);
@@ -62,7 +64,8 @@ PlanOutput MakePlan(const Batch& b, int num_ctas, int max_batch = 4096, int part
   out.cap.item_cost_units = item_cost_units;
   out.storage.assign(out.cap.TableBytes() / 8 + 1, 0);
   out.status = BuildDecodePlan(b.indptr.data(), b.last.data(), b.size(), out.cap,
-                               out.storage.data(), &out.summary);
+                               out.storage.data(), &out.summary,
+                               b.append_rows.empty() ? nullptr : b.append_rows.data());
   return out;
 }
 
@@ -113,7 +116,9 @@ void CheckPlan(const Batch& b, const PlanOutput& plan, std::vector<int64_t>* uni
       for (int i = 0; i < it.num_pages; ++i) ++covered[it.seq_head][first + i];
       units[c] += it.num_pages;
       const bool ends_sequence = first + it.num_pages == seq_pages;
-      EXPECT_EQ(it.last_len, ends_sequence ? b.last[seq] : kPageSize);
+      // The item that ends the sequence carries its append row + 1 above the valid tokens.
+      EXPECT_EQ(it.last_len, ends_sequence ? b.last[seq] | (b.AppendRow(seq) + 1) << kLastLenBits
+                                           : kPageSize);
       const bool whole = it.num_pages == seq_pages;
       if (whole) {
         EXPECT_EQ(it.slot, -1);
@@ -348,6 +353,47 @@ TEST(DecodePlanTest, FillsCapacityWithoutOverflow) {
   CheckPlan(b, MakePlan(b, 256, 4096));
 }
 
+TEST(DecodePlanTest, MarksTheItemThatEndsEachAppendingSequence) {
+  // CheckPlan requires the append row on the item that ends each (seq, head) and on no other.
+  std::mt19937 rng(77);
+  for (int trial = 0; trial < 20; ++trial) {
+    Batch b = RandomBatch(rng, 1 + trial * 13 % 200, 1 + trial * 29 % 300, 0.1);
+    for (int s = 0; s < b.size(); ++s) {
+      const bool empty = b.indptr[s + 1] == b.indptr[s];
+      b.append_rows.push_back(!empty && rng() % 3 != 0 ? static_cast<int32_t>(rng() % 9000) : -1);
+    }
+    b.append_rows[0] = b.indptr[1] > 0 ? kMaxAppendRows - 1 : -1;  // the largest row
+    const int appends = static_cast<int>(std::count_if(b.append_rows.begin(), b.append_rows.end(),
+                                             [](int32_t r) { return r >= 0; }));
+    for (int ctas : {1, 132}) {
+      for (int parts : {1, 16}) {
+        SCOPED_TRACE("trial " + std::to_string(trial) + " ctas " + std::to_string(ctas));
+        const PlanOutput plan = MakePlan(b, ctas, 4096, parts, 1);
+        CheckPlan(b, plan);
+        EXPECT_EQ(plan.summary.num_appends, appends);
+      }
+    }
+  }
+}
+
+TEST(DecodePlanTest, RejectsBadAppendRows) {
+  PlanCapacity cap{132, 8};
+  std::vector<uint64_t> table(cap.TableBytes() / 8 + 1);
+  PlanSummary summary;
+  std::vector<int32_t> indptr{0, 5, 5}, last{3, 0};
+  auto plan = [&](std::vector<int32_t> rows) {
+    return BuildDecodePlan(indptr.data(), last.data(), 2, cap, table.data(), &summary, rows.data())
+        .code;
+  };
+  EXPECT_EQ(plan({0, -1}), KernelCode::kOk);
+  EXPECT_EQ(summary.num_appends, 1);
+  EXPECT_EQ(plan({-2, -1}), KernelCode::kInvalidArgument);
+  EXPECT_EQ(plan({kMaxAppendRows, -1}), KernelCode::kInvalidArgument);
+  EXPECT_EQ(plan({0, 1}), KernelCode::kInvalidArgument);  // an empty sequence has no last token
+  EXPECT_EQ(plan({-1, -1}), KernelCode::kOk);
+  EXPECT_EQ(summary.num_appends, 0);
+}
+
 TEST(DecodePlanTest, RejectsInvalidBatches) {
   PlanCapacity cap{132, 8};
   std::vector<uint64_t> table(cap.TableBytes() / 8 + 1);
@@ -435,7 +481,7 @@ TEST(DecodePlanTest, PlanExecutedOnCpuMatchesReference) {
         std::vector<double> scores, acc(kHeadDim, 0.0);
         for (int pg = 0; pg < it.num_pages; ++pg) {
           const int64_t page = indices[it.page_begin + pg];
-          const int valid = pg == it.num_pages - 1 ? it.last_len : kPageSize;
+          const int valid = pg == it.num_pages - 1 ? it.last_len & kLastLenMask : kPageSize;
           for (int t = 0; t < valid; ++t) {
             double s = 0;
             for (int d = 0; d < kHeadDim; ++d) {
@@ -450,7 +496,7 @@ TEST(DecodePlanTest, PlanExecutedOnCpuMatchesReference) {
         size_t si = 0;
         for (int pg = 0; pg < it.num_pages; ++pg) {
           const int64_t page = indices[it.page_begin + pg];
-          const int valid = pg == it.num_pages - 1 ? it.last_len : kPageSize;
+          const int valid = pg == it.num_pages - 1 ? it.last_len & kLastLenMask : kPageSize;
           for (int t = 0; t < valid; ++t) {
             const double e = std::exp2(scores[si++] - mx);
             sum += e;

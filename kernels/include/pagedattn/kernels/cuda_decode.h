@@ -101,6 +101,15 @@ struct CudaDecoderOptions {
 // capability 9.0). Never fails; false without CUDA.
 bool CudaDecodeDeviceAvailable();
 
+// The newest tokens that a decode writes into their pages itself (CudaDecoder::Run with a plan
+// made with append_rows): device memory, 16-byte aligned.
+struct NewTokenRows {
+  const uint16_t* k = nullptr;  // [rows, 4, 128] bf16
+  const uint16_t* v = nullptr;  // [rows, 4, 128] bf16
+  uint16_t* k_cache = nullptr;  // DecodeArgs::k_cache, writable
+  uint16_t* v_cache = nullptr;  // DecodeArgs::v_cache, writable
+};
+
 class CudaDecoder {
  public:
   using Options = CudaDecoderOptions;
@@ -118,8 +127,9 @@ class CudaDecoder {
   // issues one cudaMemcpyAsync of the tables on `stream`. The host arrays may be reused once
   // Plan returns. Blocks only while this decoder's previous plan copy is still pending.
   // InvalidArgument for a bad batch (see BuildDecodePlan); Internal for a CUDA error.
+  // append_rows (optional, host [batch_size]): see BuildDecodePlan and Run(args, rows, stream).
   KernelStatus Plan(const int32_t* kv_indptr, const int32_t* kv_last_page_len,
-                    int32_t batch_size, CudaStream stream);
+                    int32_t batch_size, CudaStream stream, const int32_t* append_rows = nullptr);
 
   // As Plan, but the tables go into caller memory and nothing is copied or waited for: the plan
   // is written at host_table (host memory, table_bytes() of room, 16-byte aligned) and the
@@ -129,7 +139,7 @@ class CudaDecoder {
   // host_table. InvalidArgument for a bad batch or bad pointers.
   KernelStatus PlanInto(const int32_t* kv_indptr, const int32_t* kv_last_page_len,
                         int32_t batch_size, void* host_table, void* dev_table,
-                        size_t* used_bytes);
+                        size_t* used_bytes, const int32_t* append_rows = nullptr);
   // Room a plan's tables need (PlanInto).
   size_t table_bytes() const;
 
@@ -137,6 +147,14 @@ class CudaDecoder {
   // FailedPrecondition before a successful Plan; InvalidArgument when args do not match the
   // plan or the requirements above; Internal when the launch fails.
   KernelStatus Run(const DecodeArgs& args, CudaStream stream);
+
+  // As Run, for a plan made with append_rows: sequence b with append_rows[b] = r >= 0 has its
+  // last token (the last valid one of its last page) written by the kernel from rows.k[r] and
+  // rows.v[r] before it is read, in K and V (the caches of args, writable here as rows'). The
+  // page must not be read by another sequence of the batch (nor the slot written twice): the
+  // write and that other read are not ordered. InvalidArgument when the plan has appends and
+  // rows are null, unaligned, or name other caches than args.
+  KernelStatus Run(const DecodeArgs& args, const NewTokenRows& rows, CudaStream stream);
 
   // Benchmarking aid: when non-null, each later Run has every CTA write 8 figures to device
   // memory [num_ctas][8]: %globaltimer at entry, first page landed, last page consumed, exit;

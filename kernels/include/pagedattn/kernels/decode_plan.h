@@ -36,13 +36,23 @@ struct WorkItem {
   int32_t page_begin = 0;  // first position of the item's pages in kv_indices
   int32_t num_pages = 0;   // 0: an empty sequence's (seq, head), or nothing at all (seq_head < 0)
   int32_t seq_head = -1;   // sequence * kNumKvHeads + kv_head; -1: a CTA with no work
-  int32_t last_len = 0;    // valid tokens in the item's last page, 1..64
+  int32_t last_len = 0;    // valid tokens in the item's last page, 1..64 (bits 0-7; see below)
   int32_t slot = -1;       // -1: the item is the whole (seq, head); else its partial-result slot
   int32_t group = -1;      // the merge group of the item's (seq, head) when slot >= 0
   int32_t rest_begin = 0;  // first items only: index of the CTA's further items
   int32_t rest_count = 0;  // first items only: how many further items
 };
 static_assert(sizeof(WorkItem) == 32);
+
+// Appends by the kernel (BuildDecodePlan's append_rows): the item that ends a (sequence, KV
+// head) of a sequence with an append row carries that row + 1 in bits 8.. of its last_len (0:
+// none). Before it reads the sequence's last page, the kernel writes that KV head's part of
+// K row `row` and V row `row` of the caller's new rows (CudaDecoder::Run) into the page's last
+// valid token, so the attention includes the token and the page holds it afterwards, and no
+// separate write has to run before the launch.
+inline constexpr int32_t kLastLenBits = 8;
+inline constexpr int32_t kLastLenMask = (1 << kLastLenBits) - 1;
+inline constexpr int32_t kMaxAppendRows = 1 << 22;
 
 // The pieces of one (sequence, KV head) split across parts: slots [slot_begin, +num_pieces).
 struct MergeGroup {
@@ -97,15 +107,18 @@ struct PlanSummary {
   int32_t num_groups = 0;
   int32_t num_slots = 0;
   int32_t active_parts = 0;  // parts with at least one item
+  int32_t num_appends = 0;   // sequences whose newest token the kernel writes (append_rows)
   size_t used_bytes = 0;     // prefix of the buffer that holds the plan (what is copied)
 };
 
 // Validates the batch (kv_indptr[0] == 0, non-decreasing, fitting int32; kv_last_page_len in
 // 1..64 for every non-empty sequence; batch_size in 0..max_batch_size) and writes its plan into
-// `table` (at least capacity.TableBytes() bytes, 8-byte aligned). InvalidArgument on a bad batch
-// or capacity; then the buffer's contents are unspecified. No allocation.
+// `table` (at least capacity.TableBytes() bytes, 8-byte aligned). append_rows (null: none):
+// [batch_size], -1, or the row (0..kMaxAppendRows-1) of the new K and V rows that the kernel
+// writes as sequence b's last token (only for a non-empty sequence). InvalidArgument on a bad
+// batch or capacity; then the buffer's contents are unspecified. No allocation.
 KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_page_len,
                              int32_t batch_size, const PlanCapacity& capacity, void* table,
-                             PlanSummary* summary);
+                             PlanSummary* summary, const int32_t* append_rows = nullptr);
 
 }  // namespace pagedattn::kernels
