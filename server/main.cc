@@ -77,6 +77,10 @@ ABSL_FLAG(bool, cuda_plan_thread, true,
           "CUDA backend: plan each batch's decode on a helper thread (spinning like the copy "
           "threads) while the executor issues the batch's row copies and packs its tables; "
           "false: the executor plans in line");
+ABSL_FLAG(bool, cuda_kernel_appends, true,
+          "CUDA backend: a batch of decode steps on distinct sequences has its new tokens "
+          "written into the pool by the decode kernel itself, each just before it reads the "
+          "token's page (no scatter launch); false: always a scatter kernel before the attention");
 ABSL_FLAG(bool, cuda_stream_per_slot, true,
           "CUDA backend: each in-flight batch on its own stream, so that its input and output "
           "copies overlap the neighbouring batches' kernels (their work on the pool stays in "
@@ -128,6 +132,7 @@ CudaBackend::Options CudaOptionsFromFlags() {
   options.host_ring_bytes = absl::GetFlag(FLAGS_cuda_host_ring_mib) * (int64_t{1} << 20);
   options.kernel_writes_outputs = absl::GetFlag(FLAGS_cuda_kernel_writes_outputs);
   options.plan_on_helper = absl::GetFlag(FLAGS_cuda_plan_thread);
+  options.kernel_appends = absl::GetFlag(FLAGS_cuda_kernel_appends);
   return options;
 }
 #endif

@@ -32,6 +32,11 @@ bool AnyOutOfRange(const std::vector<int32_t>& values, int64_t limit) {
 }  // namespace
 
 absl::Status ValidateBatch(const BackendBatch& batch, const Backend::PoolShape& shape) {
+  if (absl::Status s = ValidateBatchShape(batch, shape); !s.ok()) return s;
+  return ValidatePoolPages(batch, shape);
+}
+
+absl::Status ValidateBatchShape(const BackendBatch& batch, const Backend::PoolShape& shape) {
   const int64_t pool_pages = int64_t{shape.num_layers} * shape.num_pages;
   for (const PageCopy& c : batch.page_copies) {
     if (c.src < 0 || c.src >= shape.num_pages || c.dst < 0 || c.dst >= shape.num_pages) {
@@ -67,14 +72,19 @@ absl::Status ValidateBatch(const BackendBatch& batch, const Backend::PoolShape& 
       return absl::InternalError("malformed plan");
     }
   }
-  if (AnyOutOfRange(plan.kv_indices, pool_pages)) {
-    for (int32_t page : plan.kv_indices) {
+  if (b > 0 && !(batch.sm_scale > 0.0f)) return absl::InternalError("sm_scale must be > 0");
+  return absl::OkStatus();
+}
+
+absl::Status ValidatePoolPages(const BackendBatch& batch, const Backend::PoolShape& shape) {
+  const int64_t pool_pages = int64_t{shape.num_layers} * shape.num_pages;
+  if (AnyOutOfRange(batch.plan.kv_indices, pool_pages)) {
+    for (int32_t page : batch.plan.kv_indices) {
       if (page < 0 || page >= pool_pages) {
         return absl::InternalError(absl::StrCat("pool page ", page, " out of range"));
       }
     }
   }
-  if (b > 0 && !(batch.sm_scale > 0.0f)) return absl::InternalError("sm_scale must be > 0");
   return absl::OkStatus();
 }
 

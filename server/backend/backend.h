@@ -55,6 +55,11 @@ struct BackendBatch {
   float sm_scale = 0.0f;           // the scale itself, never 0 when batch_size > 0
   std::vector<uint16_t*> output;   // [batch_size] -> [24, 128] bf16, host memory, filled by Wait
   std::vector<float*> lse;         // [batch_size] -> [24] fp32 base 2, host memory, filled by Wait
+  // Set by the engine: no (sequence, layer) has two items (decodes or appends) in this batch.
+  // Then no item reads a page that another item of the batch writes (a written page belongs to
+  // one sequence alone: shared pages are copied on write), so a backend may write a decode
+  // step's token during that step's own attention instead of before the batch's attention.
+  bool sequences_distinct = false;
 
   // Set by the backend when Wait returns OK: seconds the attention took (0 without attention).
   double kernel_seconds = 0.0;
@@ -80,6 +85,7 @@ struct BackendBatch {
     sm_scale = 0.0f;
     output.clear();
     lse.clear();
+    sequences_distinct = false;
     kernel_seconds = 0.0;
     plan_seconds = 0.0;
     pack_seconds = 0.0;
@@ -135,5 +141,11 @@ class Backend {
 // slot and size in range, the plan well formed. INTERNAL with what is wrong. Both backends call
 // it first (on a device a bad page id is a fault that ends the context).
 absl::Status ValidateBatch(const BackendBatch& batch, const Backend::PoolShape& shape);
+// ValidateBatch in two parts: everything but the plan's page ids (sizes, pointers, plan
+// structure, page copies, slots: O(batch size + written tokens)), and the page ids (O(pages)).
+// A backend may run the first, start copies that only fill its own staging memory, and run the
+// second before anything touches the pool.
+absl::Status ValidateBatchShape(const BackendBatch& batch, const Backend::PoolShape& shape);
+absl::Status ValidatePoolPages(const BackendBatch& batch, const Backend::PoolShape& shape);
 
 }  // namespace pagedattn

@@ -29,6 +29,9 @@ namespace k = kernels;
 namespace {
 
 constexpr int32_t kMaxInFlight = 4;
+// One batch in this many records the begin event (the device_in stage): the event is a call
+// before the batch's row copies, which start the device's chain up to the attention.
+constexpr int64_t kDeviceInEvery = 8;
 constexpr int64_t kPageBytes = k::kPageElems * sizeof(uint16_t);  // one page of K (or of V)
 constexpr int64_t kQueryBytes = k::kQueryElems * sizeof(uint16_t);
 constexpr int64_t kLseBytes = k::kNumQoHeads * sizeof(float);
@@ -122,8 +125,8 @@ struct Slot {
   char* host_out = nullptr;  // pinned [OutputBytes]: output rows, then lse rows
   char* dev_out = nullptr;   // device [OutputBytes]
   cudaEvent_t staged = nullptr;  // a round of a multi-round batch is done (host_in free again)
-  cudaEvent_t begin = nullptr;   // before the batch's input copy, after the host packed it
-                                 // (device_in_seconds)
+  cudaEvent_t begin = nullptr;   // before the batch's input copy (device_in_seconds), in one
+                                 // batch of kDeviceInEvery (timed_in)
   cudaEvent_t start = nullptr;   // around the attention, for kernel_seconds
   cudaEvent_t stop = nullptr;
   cudaEvent_t done = nullptr;    // the whole batch, outputs in host_out (device_out_seconds)
@@ -132,6 +135,7 @@ struct Slot {
   cudaStream_t stream = nullptr;    // the slot's own stream, or the backend's shared one
   BackendBatch* batch = nullptr; // launched, not yet waited
   bool timed = false;            // start/stop recorded (the batch has attention)
+  bool timed_in = false;         // begin recorded
   // How the outputs reach the batch's rows: the kernel writes them into its one host block, or
   // they are copied back into the blocks (one copy per run), or into host_out and unpacked.
   enum class Out { kKernelWrites, kCopyToBlocks, kCopyAndUnpack };
@@ -218,6 +222,8 @@ struct CudaBackend::Impl {
   std::unique_ptr<HostRing> ring;       // over ring_memory; null without
   std::vector<DeviceRun> runs;          // scratch of Launch: a round's rows
   std::vector<DeviceRun> out_runs;      // scratch of Launch: the batch's outputs
+  std::vector<int32_t> append_rows;     // scratch of Launch: [max_batch_size] (KernelAppendRows)
+  int64_t launches = 0;                 // batches enqueued (which of them record `begin`)
 
   // Whether `runs` can be copied straight between the ring and the device.
   bool Direct(const std::vector<DeviceRun>& r) const {
@@ -235,7 +241,9 @@ struct CudaBackend::Impl {
   }
   absl::Status Allocate();
   absl::Status WaitEvent(cudaEvent_t event, absl::string_view what);
-  absl::Status Enqueue(Slot& slot, const BackendBatch& batch);
+  // Enqueues the batch. *refused: the batch's page ids failed their check (ValidatePoolPages,
+  // made once its row copies are issued); nothing else was enqueued, and those copies are done.
+  absl::Status Enqueue(Slot& slot, const BackendBatch& batch, absl::Status* refused);
 };
 
 CudaBackend::Impl::~Impl() {
@@ -426,6 +434,7 @@ absl::Status CudaBackend::Impl::Allocate() {
         cudaHostGetDevicePointer(reinterpret_cast<void**>(&ring_device), ring_memory, 0));
   }
   rebased_indptr.resize(shape.max_batch_size + 1);
+  append_rows.reserve(shape.max_batch_size);
   rounds.reserve(8);
   runs.reserve(kMaxDirectRuns + 1);
   out_runs.reserve(kMaxDirectRuns + 1);
@@ -457,7 +466,8 @@ absl::Status CudaBackend::Impl::WaitEvent(cudaEvent_t event, absl::string_view w
   }
 }
 
-absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
+absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch,
+                                        absl::Status* refused) {
   const cudaStream_t stream = slot.stream;  // everything of this batch goes on its slot's stream
   const Plan& plan = batch.plan;
   const int32_t b = plan.batch_size();
@@ -465,21 +475,10 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
   slot.timed = false;
   slot.pack_seconds = 0.0;
   slot.plan_seconds = 0.0;
-  // Where the attention writes: the batch's host block when its output rows and then its lse
-  // rows are one run in the ring (a batch of one request; the stores cross PCIe as the kernel
-  // finishes its rows, and no copy back is left), else the slot's device buffer.
+  // The begin event (the device_in stage) costs a call before the row copies: one batch in
+  // kDeviceInEvery records it.
+  slot.timed_in = launches++ % kDeviceInEvery == 0;
   char* out_base = slot.dev_out;
-  slot.out = Slot::Out::kCopyAndUnpack;
-  if (b > 0) {
-    OutputRuns(batch, &out_runs);
-    if (Direct(out_runs)) {
-      slot.out = Slot::Out::kCopyToBlocks;
-      if (out_runs.size() == 1 && options.kernel_writes_outputs) {
-        slot.out = Slot::Out::kKernelWrites;
-        out_base = ring_device + (out_runs[0].host - ring_memory);
-      }
-    }
-  }
   for (size_t i = 0; i < rounds.size(); ++i) {
     const Round& r = rounds[i];
     if (i > 0) PA_RETURN_IF_ERROR(WaitEvent(slot.staged, "waiting for a staging round"));
@@ -499,12 +498,16 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
         indptr = rebased_indptr.data();
       }
     }
+    // A round of decode steps: the kernel writes their tokens (no scatter).
+    const bool kernel_appends =
+        options.kernel_appends && ns > 0 && KernelAppendRows(batch, r, &append_rows);
     absl::Status planned;
     size_t used = 0;
     const auto plan_task = [&] {
       const auto plan_begin = std::chrono::steady_clock::now();
       planned = KernelFailure(slot.decoder->PlanInto(
-          indptr, plan.kv_last_page_len.data() + r.seq_begin, ns, h + l.plan, dev + l.plan, &used));
+          indptr, plan.kv_last_page_len.data() + r.seq_begin, ns, h + l.plan, dev + l.plan, &used,
+          kernel_appends ? append_rows.data() : nullptr));
       slot.plan_seconds += SecondsSince(plan_begin);
     };
     PlanOnHelper plan_join(planner.get());
@@ -515,10 +518,34 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
     RowRuns(batch, r.seq_begin, ns, r.num_tokens(), cursor, l, &runs);
     const bool direct_in = Direct(runs);
     if (direct_in) {
-      if (i == 0) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.begin, stream));
+      if (i == 0 && slot.timed_in) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.begin, stream));
       for (const DeviceRun& run : runs) {
         PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev + run.offset, run.host, run.bytes,
                                                 cudaMemcpyHostToDevice, stream));
+      }
+    }
+    if (i == 0) {
+      // With the row copies on their way (they only fill this slot's arena): the page ids'
+      // check, which must pass before any kernel touches the pool, and where the outputs go.
+      if (absl::Status s = ValidatePoolPages(batch, shape); !s.ok()) {
+        plan_join.Join();
+        PA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));  // the copies read the blocks
+        *refused = std::move(s);
+        return absl::OkStatus();
+      }
+      // The attention writes into the batch's host block when its output rows and then its lse
+      // rows are one run in the ring (a batch of one request; the stores cross PCIe as the
+      // kernel finishes its rows, and no copy back is left), else into the slot's device buffer.
+      slot.out = Slot::Out::kCopyAndUnpack;
+      if (b > 0) {
+        OutputRuns(batch, &out_runs);
+        if (Direct(out_runs)) {
+          slot.out = Slot::Out::kCopyToBlocks;
+          if (out_runs.size() == 1 && options.kernel_writes_outputs) {
+            slot.out = Slot::Out::kKernelWrites;
+            out_base = ring_device + (out_runs[0].host - ring_memory);
+          }
+        }
       }
     }
     const auto pack_begin = std::chrono::steady_clock::now();
@@ -553,7 +580,7 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
                                                 cudaMemcpyHostToDevice, stream));
       }
     } else {
-      if (i == 0) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.begin, stream));
+      if (i == 0 && slot.timed_in) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.begin, stream));
       PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, h, end, cudaMemcpyHostToDevice, stream));
     }
     // The pool work of consecutive batches in launch order: this batch's copy above may run
@@ -578,7 +605,7 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
       a.layer_pages = shape.num_pages;
       PA_RETURN_IF_ERROR(KernelFailure(k::LaunchPageCopies(a, stream)));
     }
-    if (r.num_tokens() > 0) {
+    if (r.num_tokens() > 0 && !kernel_appends) {
       k::TokenScatterArgs a;
       a.k_cache = k_pool;
       a.v_cache = v_pool;
@@ -604,7 +631,14 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch) {
       a.batch_size = ns;
       a.num_pages = pool_pages;
       a.sm_scale = batch.sm_scale;
-      PA_RETURN_IF_ERROR(KernelFailure(slot.decoder->Run(a, stream)));
+      k::NewTokenRows rows;
+      if (kernel_appends) {
+        rows.k = reinterpret_cast<const uint16_t*>(dev + l.k_rows);
+        rows.v = reinterpret_cast<const uint16_t*>(dev + l.v_rows);
+        rows.k_cache = k_pool;
+        rows.v_cache = v_pool;
+      }
+      PA_RETURN_IF_ERROR(KernelFailure(slot.decoder->Run(a, rows, stream)));
     }
     // The next round reuses the arena and re-plans the decoder: it waits for this whole round
     // (with a timeout, so the decoder's own wait for its previous table copy never blocks).
@@ -641,7 +675,8 @@ absl::Status CudaBackend::Launch(BackendBatch* batch) {
     return absl::InternalError(
         absl::StrCat("Launch with ", d.in_flight, " batches in flight (max_in_flight)"));
   }
-  PA_RETURN_IF_ERROR(ValidateBatch(*batch, d.shape));
+  // The page ids are checked in Enqueue, once the row copies are issued.
+  PA_RETURN_IF_ERROR(ValidateBatchShape(*batch, d.shape));
   PA_RETURN_IF_ERROR(SplitRounds(d.cap, static_cast<int64_t>(batch->page_copies.size()),
                                  WrittenTokens(*batch), batch->plan.kv_indptr, &d.rounds));
   // From here on a failure may leave work enqueued: the backend is failed for good.
@@ -649,7 +684,9 @@ absl::Status CudaBackend::Launch(BackendBatch* batch) {
     return d.Fail(CudaError("cudaSetDevice", e));
   }
   Slot& slot = d.slots[d.next_launch];
-  if (absl::Status s = d.Enqueue(slot, *batch); !s.ok()) return d.Fail(std::move(s));
+  absl::Status refused;
+  if (absl::Status s = d.Enqueue(slot, *batch, &refused); !s.ok()) return d.Fail(std::move(s));
+  if (!refused.ok()) return refused;
   slot.batch = batch;
   d.next_launch = (d.next_launch + 1) % static_cast<int32_t>(d.slots.size());
   ++d.in_flight;
@@ -704,10 +741,11 @@ absl::Status CudaBackend::Wait(BackendBatch* batch) {
       batch->unpack_seconds = SecondsSince(unpack_begin);
     }
     const std::pair<cudaEvent_t, cudaEvent_t> intervals[] = {
-        {slot.start, slot.stop}, {slot.begin, slot.start}, {slot.stop, slot.done}};
-    double* const seconds[] = {&batch->kernel_seconds, &batch->device_in_seconds,
-                               &batch->device_out_seconds};
-    for (int i = 0; i < 3; ++i) {
+        {slot.start, slot.stop}, {slot.stop, slot.done}, {slot.begin, slot.start}};
+    double* const seconds[] = {&batch->kernel_seconds, &batch->device_out_seconds,
+                               &batch->device_in_seconds};
+    batch->device_in_seconds = 0.0;
+    for (int i = 0; i < (slot.timed_in ? 3 : 2); ++i) {
       float ms = 0.0f;
       const cudaError_t e = cudaEventElapsedTime(&ms, intervals[i].first, intervals[i].second);
       if (e != cudaSuccess) return d.Fail(CudaError("cudaEventElapsedTime", e));

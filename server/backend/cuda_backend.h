@@ -23,7 +23,9 @@
 // outputs lie in the ring in at most kMaxDirectRuns runs gets a copy per run into the blocks;
 // any other one copy into the slot's output buffer, which Wait unpacks into the batch's rows.
 // So the copies of one batch overlap the kernels of its neighbours, while the work on the pool
-// (copy on write, scatter, attention) stays in launch order. A batch over a staging capacity
+// (copy on write, scatter, attention) stays in launch order. A round of decode steps whose
+// sequences are distinct skips the scatter: the decode kernel writes each new token itself
+// (kernel_appends). A batch over a staging capacity
 // (see cuda_staging.h) is staged in several rounds; before re-filling the arena for the next
 // round Launch waits for the previous round to finish on the stream (a host stall that only the
 // rare over-capacity batch, such as a long prefill, pays). Wait polls the slot's done event
@@ -75,6 +77,11 @@ class CudaBackend final : public Backend {
     // launching thread issues the batch's row copies and packs its tables; false: in line.
     // The helper spins spin_wait_us after each plan, like the copy threads.
     bool plan_on_helper = true;
+    // A round of decode steps (KernelAppendRows, cuda_staging.h) has its new tokens written into
+    // the pool by the decode kernel, each just before it reads the token's page, instead of by a
+    // scatter kernel launched before it: one launch fewer before the attention. false: always
+    // the scatter.
+    bool kernel_appends = true;
   };
   // Most copies in one direction for which a batch skips the host packing: a copy costs a few
   // microseconds to issue, packing 64 rows of 6 KiB a few tens.

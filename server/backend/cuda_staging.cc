@@ -128,6 +128,24 @@ void PackTokens(const BackendBatch& batch, int64_t count, TokenCursor* cursor, i
   }
 }
 
+bool KernelAppendRows(const BackendBatch& batch, const Round& r, std::vector<int32_t>* rows) {
+  const Plan& plan = batch.plan;
+  rows->assign(r.num_sequences(), -1);
+  if (!batch.sequences_distinct || r.num_tokens() == 0) return false;
+  int64_t t = r.token_begin;
+  for (int32_t s = r.seq_begin; s < r.seq_end && t < r.token_end; ++s) {
+    const int32_t end = plan.kv_indptr[s + 1];
+    if (end == plan.kv_indptr[s]) continue;
+    const int64_t last_slot =
+        int64_t{plan.kv_indices[end - 1]} * kernels::kPageSize + plan.kv_last_page_len[s] - 1;
+    if (batch.write_slots[t] == last_slot) {
+      (*rows)[s - r.seq_begin] = static_cast<int32_t>(t - r.token_begin);
+      ++t;
+    }
+  }
+  return t == r.token_end;
+}
+
 void AddRun(const void* host, int64_t offset, int64_t bytes, std::vector<DeviceRun>* runs) {
   if (bytes == 0) return;
   char* const h = const_cast<char*>(static_cast<const char*>(host));

@@ -102,6 +102,14 @@ struct TokenCursor {
 void PackTokens(const BackendBatch& batch, int64_t count, TokenCursor* cursor, int64_t* slots,
                 uint16_t* k_rows, uint16_t* v_rows, CopyList* copies);
 
+// Whether the round's written tokens can be written by the decode kernel itself (kernels::
+// CudaDecoder's appends): the batch's sequences are distinct (BackendBatch::sequences_distinct)
+// and each token of the round, in write order, is the last token of one of the round's
+// sequences, in plan order (a batch of decode steps). Then (*rows)[s] is the round-local token
+// of sequence r.seq_begin + s, or -1 for a sequence without one (an attend-only Decode), and
+// the round needs no scatter. False for a round without tokens; `rows` is then unspecified.
+bool KernelAppendRows(const BackendBatch& batch, const Round& r, std::vector<int32_t>* rows);
+
 // Bytes that move between host memory and a device buffer in one copy: `bytes` at `host` and
 // at `offset` in the buffer.
 struct DeviceRun {

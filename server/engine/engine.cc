@@ -148,6 +148,9 @@ class Engine::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   absl::Status ApplyAppend(WorkItem* item, BackendBatch* batch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // Whether no (sequence, layer) has two of the batch's applied items
+  // (BackendBatch::sequences_distinct). Executor thread only (uses batch_keys_).
+  bool SequencesDistinct(const InFlight& in);
   // Waits for a launched batch (its outputs in the items' rows, failures in their status).
   void WaitBatch(InFlight* in);
   // Runs every item's callback, in order, and frees the items.
@@ -211,6 +214,8 @@ class Engine::Impl {
   std::atomic<int64_t> done_size_{0};
   // Finished batches, reused so that their vectors keep their capacity.
   std::vector<std::unique_ptr<InFlight>> spare_ ABSL_GUARDED_BY(done_mu_);
+  // Scratch of SequencesDistinct (the executor's).
+  std::vector<std::pair<uint64_t, int32_t>> batch_keys_;
 
   std::mutex shutdown_mu_;  // held for the whole of Shutdown
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
@@ -632,6 +637,8 @@ void Engine::Impl::Prepare(InFlight* in) {
     PublishPoolLocked();
   }
   if (batch.empty()) return;
+  // Only a batch that writes tokens can use it.
+  batch.sequences_distinct = !batch.writes.empty() && SequencesDistinct(*in);
   in->launch_start = absl::Now();
   RecordStage(Metrics::Stage::kPrepare, now, in->launch_start);
   absl::Status s = backend_->Launch(&batch);
@@ -644,6 +651,20 @@ void Engine::Impl::Prepare(InFlight* in) {
     return;
   }
   in->launched = true;
+}
+
+bool Engine::Impl::SequencesDistinct(const InFlight& in) {
+  batch_keys_.clear();
+  for (const auto& item : in.items) {
+    if (!item->in_launch) continue;
+    if (item->is_decode) {
+      for (uint64_t id : item->decode.sequence_ids) batch_keys_.emplace_back(id, item->decode.layer);
+    } else {
+      batch_keys_.emplace_back(item->append.sequence_id, item->append.layer);
+    }
+  }
+  std::sort(batch_keys_.begin(), batch_keys_.end());
+  return std::adjacent_find(batch_keys_.begin(), batch_keys_.end()) == batch_keys_.end();
 }
 
 absl::Status Engine::Impl::ApplyDecode(WorkItem* item, BackendBatch* batch) {

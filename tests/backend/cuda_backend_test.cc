@@ -23,6 +23,7 @@
 #include "server/engine/engine.h"
 #include "server/metrics/metrics.h"
 #include "tests/backend/test_util.h"
+#include "tests/engine/engine_test_util.h"
 
 namespace pagedattn {
 namespace {
@@ -87,6 +88,15 @@ class TestBatch {
     q_.insert(q_.end(), q.begin(), q.end());
   }
 
+  // BackendBatch::sequences_distinct of both batches (false unless set).
+  void SetSequencesDistinct(bool distinct) { distinct_ = distinct; }
+  // The GPU batch's q rows and written rows in a block of the backend's host ring, as the engine
+  // places a Decode's: they are copied to the device straight from there.
+  void UseHostBlock(HostBlock block) {
+    ASSERT_TRUE(block) << "no host block";
+    block_ = std::move(block);
+  }
+
   int32_t size() const { return plan_.batch_size(); }
   BackendBatch* cpu() {
     Build();
@@ -111,17 +121,34 @@ class TestBatch {
   void Build() {
     if (built_) return;
     built_ = true;
-    Fill(&cpu_, &cpu_out_, &cpu_lse_);
-    Fill(&gpu_, &gpu_out_, &gpu_lse_);
+    Fill(&cpu_, &cpu_out_, &cpu_lse_, nullptr);
+    Fill(&gpu_, &gpu_out_, &gpu_lse_, block_ ? block_.data() : nullptr);
   }
 
-  void Fill(BackendBatch* batch, std::vector<uint16_t>* out, std::vector<float>* lse) {
+  // Copies `elems` bf16 at `src` to *at and advances it; returns where they went.
+  static const uint16_t* Place(char** at, const uint16_t* src, int64_t elems) {
+    std::memcpy(*at, src, elems * 2);
+    const auto* placed = reinterpret_cast<const uint16_t*>(*at);
+    *at += elems * 2;
+    return placed;
+  }
+
+  // block: where the q rows and the written rows go (null: they stay in this object).
+  void Fill(BackendBatch* batch, std::vector<uint16_t>* out, std::vector<float>* lse,
+            char* block) {
     batch->Clear();
     batch->page_copies = copies_;
     batch->write_slots = slots_;
+    const uint16_t* q = q_.data();
+    if (block != nullptr) q = Place(&block, q_.data(), static_cast<int64_t>(q_.size()));
     for (const Write& w : writes_) {
-      batch->writes.push_back(TokenWrite{w.k.data(), w.v.data(),
-                                         static_cast<int32_t>(w.k.size() / k::kTokenElems),
+      const uint16_t* kk = w.k.data();
+      const uint16_t* vv = w.v.data();
+      if (block != nullptr) {
+        kk = Place(&block, kk, static_cast<int64_t>(w.k.size()));
+        vv = Place(&block, vv, static_cast<int64_t>(w.v.size()));
+      }
+      batch->writes.push_back(TokenWrite{kk, vv, static_cast<int32_t>(w.k.size() / k::kTokenElems),
                                          w.slot_begin});
     }
     batch->plan = plan_;
@@ -129,11 +156,12 @@ class TestBatch {
     out->assign(int64_t{b} * k::kQueryElems, 0xFFFF);  // NaN until written
     lse->assign(int64_t{b} * k::kNumQoHeads, std::numeric_limits<float>::quiet_NaN());
     for (int32_t i = 0; i < b; ++i) {
-      batch->q.push_back(q_.data() + int64_t{i} * k::kQueryElems);
+      batch->q.push_back(q + int64_t{i} * k::kQueryElems);
       batch->output.push_back(out->data() + int64_t{i} * k::kQueryElems);
       batch->lse.push_back(lse->data() + int64_t{i} * k::kNumQoHeads);
     }
     batch->sm_scale = b > 0 ? 1.0f / std::sqrt(128.0f) : 0.0f;
+    batch->sequences_distinct = distinct_;
   }
 
   std::mt19937_64 rng_;
@@ -143,6 +171,8 @@ class TestBatch {
   Plan plan_;
   std::vector<uint16_t> q_;
   bool built_ = false;
+  bool distinct_ = false;
+  HostBlock block_;
   BackendBatch cpu_, gpu_;
   std::vector<uint16_t> cpu_out_, gpu_out_;
   std::vector<float> cpu_lse_, gpu_lse_;
@@ -255,6 +285,44 @@ TEST_F(CudaBackendTest, CopiesAndWritesLandBeforeTheAttentionOfTheSameBatch) {
   batch.ExpectSameOutputs("copy, write, attend");
 }
 
+// A batch of decode steps on distinct sequences: the kernel writes each new token (no scatter).
+// Its outputs, and those of a later batch that reads the same pages, match the CPU's.
+TEST_F(CudaBackendTest, DecodeStepsWrittenByTheKernelMatchTheCpu) {
+  SKIP_WITHOUT_DEVICE();
+  SetUpBackends({.num_layers = 2, .num_pages = 128, .max_batch_size = 16});
+  FillPool(11);
+  std::mt19937_64 rng(12);
+  // Distinct pages for every sequence, from a shuffled list per layer.
+  std::vector<int32_t> free_pages[2] = {RandomPages(0, 128, rng), RandomPages(1, 128, rng)};
+  auto take = [&](int32_t layer, int32_t n) {
+    std::vector<int32_t>& f = free_pages[layer];
+    std::vector<int32_t> pages(f.end() - n, f.end());
+    f.resize(f.size() - n);
+    return pages;
+  };
+  struct Seq {
+    std::vector<int32_t> pages;
+    int32_t last;
+    bool step;
+  };
+  // A token that starts a new page, one that fills its page, a long sequence cut over many
+  // CTAs, sequences that attend only, an empty one.
+  const std::vector<Seq> seqs = {{take(0, 1), 1, true},   {take(1, 3), 64, true},
+                                 {take(0, 2), 30, false}, {take(1, 90), 33, true},
+                                 {{}, 1, false},          {take(0, 5), 1, true},
+                                 {take(1, 1), 17, false}, {take(0, 12), 64, true}};
+  for (int round = 0; round < 2; ++round) {
+    TestBatch batch(13 + round);
+    for (const Seq& q : seqs) {
+      batch.AddSequence(q.pages, q.last);
+      if (round == 0 && q.step) batch.AddWrite({int64_t{q.pages.back()} * 64 + q.last - 1});
+    }
+    batch.SetSequencesDistinct(true);
+    RunBoth(batch);
+    batch.ExpectSameOutputs(round == 0 ? "steps" : "attention over the steps' tokens");
+  }
+}
+
 TEST_F(CudaBackendTest, SharedPagesOverTheIndexCapacityAreDecodedInRounds) {
   SKIP_WITHOUT_DEVICE();
   // One layer of 64 pages: 64 page ids per round; 8 forks of one 40-page sequence need 320.
@@ -337,15 +405,25 @@ TEST_F(CudaBackendTest, KernelSecondsCountsTheAttentionOnlyAndTheStagesAreTimed)
   std::iota(pages.begin(), pages.end(), 0);
   decode.AddSequence(pages, 64);
   BackendBatch* d = decode.gpu();
-  ASSERT_TRUE(gpu_->Launch(d).ok());
-  ASSERT_TRUE(gpu_->Wait(d).ok());
-  EXPECT_GT(d->kernel_seconds, 0.0);
-  EXPECT_LT(d->kernel_seconds, 0.1);
-  // The staging stages: host copies in and out, device time before and after the attention.
-  for (double seconds : {d->pack_seconds, d->unpack_seconds, d->device_in_seconds,
-                         d->device_out_seconds}) {
-    EXPECT_GT(seconds, 0.0);
-    EXPECT_LT(seconds, 0.1);
+  // Launches 1..8: the device time before the attention is measured in one batch of 8 (the
+  // 8th here, as the write batch above was the first).
+  for (int launch = 1; launch <= 8; ++launch) {
+    SCOPED_TRACE("launch " + std::to_string(launch));
+    ASSERT_TRUE(gpu_->Launch(d).ok());
+    ASSERT_TRUE(gpu_->Wait(d).ok());
+    EXPECT_GT(d->kernel_seconds, 0.0);
+    EXPECT_LT(d->kernel_seconds, 0.1);
+    // The staging stages: host copies in and out, device time after the attention.
+    for (double seconds : {d->pack_seconds, d->unpack_seconds, d->device_out_seconds}) {
+      EXPECT_GT(seconds, 0.0);
+      EXPECT_LT(seconds, 0.1);
+    }
+    if (launch == 8) {
+      EXPECT_GT(d->device_in_seconds, 0.0);
+      EXPECT_LT(d->device_in_seconds, 0.1);
+    } else {
+      EXPECT_EQ(d->device_in_seconds, 0.0);
+    }
   }
 }
 
@@ -364,6 +442,32 @@ TEST_F(CudaBackendTest, ABadBatchIsInternalAndLeavesTheBackendWorking) {
   good.AddSequence({0, 5, 7}, 20);
   RunBoth(good);
   good.ExpectSameOutputs("after a refused batch");
+}
+
+// A batch whose rows are copied straight from a host block has its page ids checked after those
+// copies are issued: a bad page id is still INTERNAL, changes nothing, and the backend goes on,
+// also with a step whose token the kernel writes.
+TEST_F(CudaBackendTest, ABadPageInABatchCopiedFromTheRingIsRefused) {
+  SKIP_WITHOUT_DEVICE();
+  SetUpBackends({.num_layers = 1, .num_pages = 8, .max_batch_size = 4});
+  FillPool(16);
+  TestBatch bad(17);
+  bad.AddSequence({2, 8}, 5);  // page 8: one past the last
+  bad.UseHostBlock(gpu_->TakeHostBlock(16 << 10));
+  EXPECT_EQ(gpu_->Launch(bad.gpu()).code(), absl::StatusCode::kInternal);
+
+  TestBatch step(18);
+  step.AddSequence({2, 6}, 5);
+  step.AddWrite({int64_t{6} * 64 + 4});
+  step.SetSequencesDistinct(true);
+  step.UseHostBlock(gpu_->TakeHostBlock(16 << 10));
+  RunBoth(step);
+  step.ExpectSameOutputs("a step after a refused batch");
+  TestBatch attend(19);
+  attend.AddSequence({2, 6}, 5);
+  attend.UseHostBlock(gpu_->TakeHostBlock(16 << 10));
+  RunBoth(attend);
+  attend.ExpectSameOutputs("attention over the step's token");
 }
 
 TEST_F(CudaBackendTest, ContractViolationsAreRefused) {
@@ -554,6 +658,53 @@ TEST_P(CudaEngineTest, TheEngineGivesTheSameResultsOnBothBackends) {
     EXPECT_EQ(text.find(none_in_blocks), std::string::npos) << text;
     EXPECT_EQ(text.find(all_in_blocks), std::string::npos) << text;
   }
+}
+
+// Two steps of one sequence in one batch (not distinct: the scatter writes both tokens before
+// the attention, since the second step reads the first's page whole) and steps of two
+// sequences in one batch (the kernel writes the tokens), against the float64 reference.
+TEST(CudaEngineAppendsTest, StepsInOneBatchMatchTheReference) {
+  SKIP_WITHOUT_DEVICE();
+  auto gpu_backend = CudaBackend::Create({});
+  ASSERT_TRUE(gpu_backend.ok());
+  // Batches of two sequences, cut only when full: every batch below is two requests.
+  auto engine = Engine::Create({.num_layers = 1, .num_pages = 64, .max_batch_size = 2,
+                                .max_queue_delay = absl::Seconds(30)},
+                               *std::move(gpu_backend), nullptr);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = **engine;
+  testing::Model model(1, 21);
+  for (uint64_t id : {1, 2}) {
+    ASSERT_TRUE(e.CreateSequence(id).ok());
+    model.Create(id);
+  }
+  // Both prefills in one batch.
+  AppendWork w1 = model.MakeAppend(1, 0, 63);
+  AppendWork w2 = model.MakeAppend(2, 0, 127);
+  auto r1 = std::async(std::launch::async, [&e, &w1] { return AppendSync(e, std::move(w1)); });
+  ASSERT_TRUE(AppendSync(e, std::move(w2)).ok());
+  ASSERT_TRUE(r1.get().ok());
+  for (int round = 0; round < 3; ++round) {
+    const std::vector<uint64_t> ids = round == 0 ? std::vector<uint64_t>{1, 1}
+                                                 : std::vector<uint64_t>{1, 2};
+    const DecodeWork a = model.MakeDecode({ids[0]}, 0, true);
+    const DecodeWork b = model.MakeDecode({ids[1]}, 0, true);
+    auto fa = DecodeAsync(e, a);
+    auto fb = DecodeAsync(e, b);
+    auto ra = fa.get();
+    auto rb = fb.get();
+    ASSERT_TRUE(ra.ok()) << ra.status();
+    ASSERT_TRUE(rb.ok()) << rb.status();
+    const int64_t a_tokens = round == 0 ? 64 : 0;  // 0: all the model holds
+    model.Check(a, *ra, a_tokens > 0 ? std::vector<int64_t>{a_tokens} : std::vector<int64_t>{});
+    model.Check(b, *rb);
+  }
+  // Attention only over everything written.
+  const DecodeWork c = model.MakeDecode({1, 2}, 0, false);
+  auto rc = DecodeAsync(e, c).get();
+  ASSERT_TRUE(rc.ok()) << rc.status();
+  model.Check(c, *rc);
+  EXPECT_TRUE(e.health().ok());
 }
 
 }  // namespace

@@ -242,6 +242,75 @@ TEST(PackTokensTest, WithoutRowBuffersPacksOnlyTheSlots) {
   EXPECT_EQ(s, batch.write_slots);
 }
 
+// A batch of decode steps: sequence s reads pages[s] (pool pages) with last[s] tokens in the
+// last page (no pages: empty); `stepped` lists the sequences that wrote their last token, in
+// plan order.
+BackendBatch Steps(const std::vector<std::vector<int32_t>>& pages, const std::vector<int32_t>& last,
+                   const std::vector<int32_t>& stepped) {
+  BackendBatch batch;
+  for (size_t s = 0; s < pages.size(); ++s) {
+    batch.plan.kv_indices.insert(batch.plan.kv_indices.end(), pages[s].begin(), pages[s].end());
+    batch.plan.kv_indptr.push_back(static_cast<int32_t>(batch.plan.kv_indices.size()));
+    batch.plan.kv_last_page_len.push_back(pages[s].empty() ? 1 : last[s]);
+  }
+  for (int32_t s : stepped) {
+    batch.writes.push_back({nullptr, nullptr, 1, static_cast<int64_t>(batch.write_slots.size())});
+    batch.write_slots.push_back(int64_t{pages[s].back()} * 64 + last[s] - 1);
+  }
+  batch.sequences_distinct = true;
+  return batch;
+}
+
+Round WholeBatch(const BackendBatch& batch) {
+  Round r;
+  r.token_end = static_cast<int64_t>(batch.write_slots.size());
+  r.seq_end = batch.plan.batch_size();
+  return r;
+}
+
+TEST(KernelAppendRowsTest, EachStepsTokenIsItsSequencesLastRow) {
+  // Sequences 0, 2 and 4 step, 1 attends only, 3 is empty.
+  const BackendBatch batch =
+      Steps({{5, 9}, {7}, {30, 31, 32}, {}, {40}}, {17, 3, 64, 0, 1}, {0, 2, 4});
+  std::vector<int32_t> rows;
+  ASSERT_TRUE(KernelAppendRows(batch, WholeBatch(batch), &rows));
+  EXPECT_EQ(rows, (std::vector<int32_t>{0, -1, 1, -1, 2}));
+  // A round of sequences 2..4 and tokens 1..2: round-local rows.
+  Round r;
+  r.token_begin = 1;
+  r.token_end = 3;
+  r.seq_begin = 2;
+  r.seq_end = 5;
+  ASSERT_TRUE(KernelAppendRows(batch, r, &rows));
+  EXPECT_EQ(rows, (std::vector<int32_t>{0, -1, 1}));
+}
+
+TEST(KernelAppendRowsTest, OtherWritesNeedTheScatter) {
+  std::vector<int32_t> rows;
+  // Not distinct (the engine's word).
+  BackendBatch batch = Steps({{5, 9}, {7}}, {17, 3}, {0, 1});
+  batch.sequences_distinct = false;
+  EXPECT_FALSE(KernelAppendRows(batch, WholeBatch(batch), &rows));
+  // A token that is no sequence's last (an append's), before and after the steps.
+  batch = Steps({{5, 9}, {7}}, {17, 3}, {0, 1});
+  batch.write_slots.push_back(int64_t{9} * 64 + 20);
+  batch.writes.push_back({nullptr, nullptr, 1, 2});
+  EXPECT_FALSE(KernelAppendRows(batch, WholeBatch(batch), &rows));
+  batch = Steps({{5, 9}, {7}}, {17, 3}, {0, 1});
+  batch.write_slots.insert(batch.write_slots.begin(), int64_t{9} * 64 + 15);
+  EXPECT_FALSE(KernelAppendRows(batch, WholeBatch(batch), &rows));
+  // Tokens in another order than their sequences.
+  batch = Steps({{5, 9}, {7}}, {17, 3}, {1, 0});
+  EXPECT_FALSE(KernelAppendRows(batch, WholeBatch(batch), &rows));
+  // The slot before the last token.
+  batch = Steps({{5, 9}}, {17}, {0});
+  batch.write_slots[0] -= 1;
+  EXPECT_FALSE(KernelAppendRows(batch, WholeBatch(batch), &rows));
+  // No tokens at all: nothing to append.
+  batch = Steps({{5, 9}}, {17}, {});
+  EXPECT_FALSE(KernelAppendRows(batch, WholeBatch(batch), &rows));
+}
+
 TEST(DeviceRunsTest, AddRunJoinsPiecesContiguousOnBothSides) {
   std::vector<char> host(1000);
   std::vector<DeviceRun> runs;

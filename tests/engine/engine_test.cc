@@ -2,6 +2,9 @@
 // on write, release, and every error code leaving the state unchanged.
 #include "server/engine/engine.h"
 
+#include <memory>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -12,10 +15,112 @@ namespace {
 
 namespace k = kernels;
 using testing::AppendSync;
+using testing::DecodeAsync;
 using testing::DecodeSync;
 using testing::MakeCpuEngine;
 using testing::Model;
 using testing::SameState;
+
+// The CPU backend, recording BackendBatch::sequences_distinct of every batch that writes tokens.
+class RecordingBackend final : public Backend {
+ public:
+  explicit RecordingBackend(std::unique_ptr<CpuBackend> cpu) : cpu_(std::move(cpu)) {}
+  std::string_view name() const override { return cpu_->name(); }
+  absl::Status Init(const PoolShape& shape) override { return cpu_->Init(shape); }
+  int32_t max_in_flight() const override { return cpu_->max_in_flight(); }
+  absl::Status Launch(BackendBatch* batch) override {
+    if (!batch->writes.empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      distinct_.emplace_back(batch->plan.batch_size(), batch->sequences_distinct);
+    }
+    return cpu_->Launch(batch);
+  }
+  absl::Status Wait(BackendBatch* batch) override { return cpu_->Wait(batch); }
+  // (sequences decoded, sequences_distinct) of each batch with writes so far.
+  std::vector<std::pair<int32_t, bool>> distinct() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return distinct_;
+  }
+
+ private:
+  std::unique_ptr<CpuBackend> cpu_;
+  std::mutex mu_;
+  std::vector<std::pair<int32_t, bool>> distinct_;
+};
+
+// The engine tells the backend when no (sequence, layer) has two items in a batch (a backend
+// may then write each step's token during that step's attention): not for two steps of one
+// sequence in a batch, where the second reads the page the first writes (63 tokens, so the
+// second step's token starts a new page and its attention reads the first's page whole), but
+// for steps of two sequences, and an append with a decode of another sequence.
+TEST(EngineTest, TellsTheBackendWhenABatchsSequencesAreDistinct) {
+  auto owned = std::make_unique<RecordingBackend>(std::move(*CpuBackend::Create({.num_threads = 1})));
+  RecordingBackend* backend = owned.get();
+  // Batches of two sequences, cut only when full.
+  auto engine = std::move(*Engine::Create(
+      {.num_layers = 1, .num_pages = 8, .max_batch_size = 2, .max_queue_delay = absl::Seconds(30)},
+      std::move(owned), nullptr));
+  Model model(1);
+  for (uint64_t id : {1, 2, 3}) {
+    ASSERT_TRUE(engine->CreateSequence(id).ok());
+    model.Create(id);
+  }
+  // Every batch here is two items sent together (a lone item would wait out the delay).
+  auto append_async = [&](AppendWork w) {
+    auto p = std::make_shared<std::promise<absl::StatusOr<int64_t>>>();
+    engine->Append(std::move(w), [p](absl::StatusOr<int64_t> r) { p->set_value(std::move(r)); });
+    return p->get_future();
+  };
+  auto p1 = append_async(model.MakeAppend(1, 0, 63));
+  auto p2 = append_async(model.MakeAppend(2, 0, 63));
+  ASSERT_TRUE(p1.get().ok());
+  ASSERT_TRUE(p2.get().ok());
+  using Expected = std::vector<std::pair<int32_t, bool>>;
+  // The two prefills were batched together (no attention, 0 sequences decoded).
+  ASSERT_EQ(backend->distinct(), (Expected{{0, true}}));
+
+  const DecodeWork a = model.MakeDecode({1}, 0, true);
+  const DecodeWork b = model.MakeDecode({1}, 0, true);
+  auto fa = DecodeAsync(*engine, a);
+  auto fb = DecodeAsync(*engine, b);
+  auto ra = fa.get();
+  auto rb = fb.get();
+  ASSERT_TRUE(ra.ok()) << ra.status();
+  ASSERT_TRUE(rb.ok()) << rb.status();
+  model.Check(a, *ra, {64});
+  model.Check(b, *rb, {65});
+  EXPECT_EQ(backend->distinct().back(), std::make_pair(2, false));
+
+  const DecodeWork c = model.MakeDecode({1}, 0, true);
+  const DecodeWork d = model.MakeDecode({2}, 0, true);
+  auto fc = DecodeAsync(*engine, c);
+  auto fd = DecodeAsync(*engine, d);
+  auto rc = fc.get();
+  auto rd = fd.get();
+  ASSERT_TRUE(rc.ok()) << rc.status();
+  ASSERT_TRUE(rd.ok()) << rd.status();
+  model.Check(c, *rc);
+  model.Check(d, *rd);
+  EXPECT_EQ(backend->distinct().back(), std::make_pair(2, true));
+
+  // An append to sequence 3 and a step of sequence 1 in one batch; then an append and a step of
+  // sequence 1 in one batch.
+  auto p3 = append_async(model.MakeAppend(3, 0, 5));
+  const DecodeWork e = model.MakeDecode({1}, 0, true);
+  auto re = DecodeAsync(*engine, e).get();
+  ASSERT_TRUE(re.ok()) << re.status();
+  ASSERT_TRUE(p3.get().ok());
+  model.Check(e, *re);
+  EXPECT_EQ(backend->distinct().back(), std::make_pair(1, true));
+  auto p4 = append_async(model.MakeAppend(1, 0, 2));
+  const DecodeWork f = model.MakeDecode({1}, 0, true);
+  auto rf = DecodeAsync(*engine, f).get();
+  ASSERT_TRUE(rf.ok()) << rf.status();
+  ASSERT_TRUE(p4.get().ok());
+  model.Check(f, *rf);
+  EXPECT_EQ(backend->distinct().back(), std::make_pair(1, false));
+  EXPECT_EQ(backend->distinct().size(), 5u);
+}
 
 TEST(EngineTest, CreateRejectsBadOptions) {
   auto backend = [] { return std::move(*CpuBackend::Create({.num_threads = 1})); };

@@ -7,6 +7,7 @@
 #include <future>
 #include <mutex>
 #include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -62,6 +63,13 @@ inline absl::StatusOr<DecodeOutput> DecodeSync(Engine& engine, DecodeWork w) {
   auto f = p.get_future();
   engine.Decode(std::move(w), [&p](absl::StatusOr<DecodeOutput> r) { p.set_value(std::move(r)); });
   return f.get();
+}
+
+inline std::future<absl::StatusOr<DecodeOutput>> DecodeAsync(Engine& engine, DecodeWork w) {
+  auto p = std::make_shared<std::promise<absl::StatusOr<DecodeOutput>>>();
+  auto f = p->get_future();
+  engine.Decode(std::move(w), [p](absl::StatusOr<DecodeOutput> r) { p->set_value(std::move(r)); });
+  return f;
 }
 
 // Every sequence's K and V rows per layer as the engine should hold them.
