@@ -176,16 +176,14 @@ KernelStatus CudaDecoder::Create(const Options& options, std::unique_ptr<CudaDec
     return KernelStatus::Error(KernelCode::kFailedPrecondition,
                                "device offers too little shared memory per block");
   }
-  PA_RETURN_IF_CUDA_ERROR(
-      cudaFuncSetAttribute(detail::PagedDecodeKernel<true>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(detail::kSmemBytes)),
-      "cudaFuncSetAttribute");
-  PA_RETURN_IF_CUDA_ERROR(
-      cudaFuncSetAttribute(detail::PagedDecodeKernel<false>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(detail::kSmemBytes)),
-      "cudaFuncSetAttribute");
+  for (const void* kernel : {reinterpret_cast<const void*>(detail::PagedDecodeKernel<true, false>),
+                             reinterpret_cast<const void*>(detail::PagedDecodeKernel<false, false>),
+                             reinterpret_cast<const void*>(detail::PagedDecodeKernel<true, true>),
+                             reinterpret_cast<const void*>(detail::PagedDecodeKernel<false, true>)}) {
+    PA_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(detail::kSmemBytes)),
+                            "cudaFuncSetAttribute");
+  }
 
   impl->capacity.num_ctas = options.num_ctas > 0 ? options.num_ctas : std::min(sms, kMaxPlanCtas);
   impl->capacity.max_batch_size = options.max_batch_size;
@@ -378,10 +376,15 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, const NewTokenRows& rows,
 
   const dim3 grid(d.capacity.num_ctas);
   const dim3 block(detail::kThreads);
-  if (tma) {
-    detail::PagedDecodeKernel<true><<<grid, block, detail::kSmemBytes, stream>>>(p);
+  const bool appends = d.plan.num_appends > 0;
+  if (tma && appends) {
+    detail::PagedDecodeKernel<true, true><<<grid, block, detail::kSmemBytes, stream>>>(p);
+  } else if (tma) {
+    detail::PagedDecodeKernel<true, false><<<grid, block, detail::kSmemBytes, stream>>>(p);
+  } else if (appends) {
+    detail::PagedDecodeKernel<false, true><<<grid, block, detail::kSmemBytes, stream>>>(p);
   } else {
-    detail::PagedDecodeKernel<false><<<grid, block, detail::kSmemBytes, stream>>>(p);
+    detail::PagedDecodeKernel<false, false><<<grid, block, detail::kSmemBytes, stream>>>(p);
   }
   PA_RETURN_IF_CUDA_ERROR(cudaGetLastError(), "decode kernel launch");
   if (!merge_kernel || d.plan.num_groups == 0) return KernelStatus::Ok();

@@ -264,7 +264,7 @@ __device__ __forceinline__ void StoreNewRow(const KernelParams& p, const WorkIte
 // The items of one part (head and its rest), page by page; each item's page ids 32 at a time
 // (a lane each), the next item's work item in flight meanwhile. (Loading the work items two
 // ahead and each next chunk of page ids a chunk ahead measured no faster: NOTES.md, v7.)
-template <bool kTma>
+template <bool kTma, bool kAppends>
 __device__ void ProducePart(const KernelParams& p, SharedStorage& s, Ring& ring,
                             const WorkItem& head, int lane) {
   const int count = head.seq_head < 0 ? 0 : 1 + head.rest_count;
@@ -277,16 +277,17 @@ __device__ void ProducePart(const KernelParams& p, SharedStorage& s, Ring& ring,
       continue;
     }
     // An item that ends a sequence the plan appends to loads the token's row now, while its page
-    // ids make their trip, and stores it just before its last page is issued.
-    const int append_row = (it.last_len >> kLastLenBits) - 1;
+    // ids make their trip, and stores it just before its last page is issued. (A plan without
+    // appends runs the kernel built without this: measured 0.1-1.1% faster, call 36.)
+    const int append_row = kAppends ? (it.last_len >> kLastLenBits) - 1 : -1;
     uint4 new_row = make_uint4(0u, 0u, 0u, 0u);
-    if (append_row >= 0) new_row = LoadNewRow(p, it, append_row, lane);
+    if (kAppends && append_row >= 0) new_row = LoadNewRow(p, it, append_row, lane);
     for (int base = 0; base < it.num_pages; base += 32) {
       const int ids = LoadPageIds(p, it, base, lane);
       const int n = min(32, it.num_pages - base);
       for (int j = 0; j < n; ++j) {
         const int page = __shfl_sync(0xffffffffu, ids, j);
-        if (append_row >= 0 && base + j == it.num_pages - 1) {
+        if (kAppends && append_row >= 0 && base + j == it.num_pages - 1) {
           StoreNewRow<kTma>(p, it, page, new_row, lane);
         }
         IssueStage<kTma>(p, s, ring, it, base + j, page, lane);
@@ -299,14 +300,14 @@ __device__ void ProducePart(const KernelParams& p, SharedStorage& s, Ring& ring,
 // A part is taken from the queue once the previous one's last page is issued: the stages still
 // hold up to kStages pages for the consumers while the counter, the part's first item and its
 // first page ids make their trips.
-template <bool kTma>
+template <bool kTma, bool kAppends>
 __device__ void Produce(const KernelParams& p, SharedStorage& s, WorkItem head, int num_parts,
                         int lane) {
   const int num_ctas = static_cast<int>(gridDim.x);
   const bool queued = num_parts > num_ctas;
   Ring ring;
   for (;;) {
-    ProducePart<kTma>(p, s, ring, head, lane);
+    ProducePart<kTma, kAppends>(p, s, ring, head, lane);
     if (!queued) break;
     int next = 0;
     if (lane == 0) next = num_ctas + atomicAdd(p.queue, 1);
@@ -626,6 +627,7 @@ __device__ __forceinline__ unsigned long long StampTime(const KernelParams& p) {
 }
 
 // The consumers follow the stages' tags until the end tag.
+template <bool kAppends>
 __device__ void Consume(const KernelParams& p, SharedStorage& s, int warp, int lane) {
   const int g = lane >> 2;
   const int quad = lane & 3;
@@ -671,7 +673,8 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, int warp, int l
           qa[ks][1] = g < kGroupSize ? ptx::LdsU32(qrow + ks * 32 + 16) : 0u;
         }
       }
-      const int valid = it.page == it.num_pages - 1 ? it.last_len & kLastLenMask : kPageSize;
+      const int last = kAppends ? it.last_len & kLastLenMask : it.last_len;
+      const int valid = it.page == it.num_pages - 1 ? last : kPageSize;
       if (t0 < valid && !p.skip_attention) {
         const bool tail = valid < t0 + kTokensPerWarp;
         const bool in_shared = tail && p.zero_tail_in_shared;
@@ -711,7 +714,8 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, int warp, int l
   }
 }
 
-template <bool kTma>
+// kAppends: the plan has appends (decode_plan.h), the producer writes them.
+template <bool kTma, bool kAppends>
 __global__ void __launch_bounds__(kThreads, 1) PagedDecodeKernel(const __grid_constant__ KernelParams p) {
   extern __shared__ uint8_t smem_raw[];
   SharedStorage& s = *reinterpret_cast<SharedStorage*>(
@@ -738,9 +742,9 @@ __global__ void __launch_bounds__(kThreads, 1) PagedDecodeKernel(const __grid_co
   }
   __syncthreads();
   if (warp == kConsumerWarps) {
-    Produce<kTma>(p, s, head, num_parts, lane);
+    Produce<kTma, kAppends>(p, s, head, num_parts, lane);
   } else {
-    Consume(p, s, warp, lane);
+    Consume<kAppends>(p, s, warp, lane);
   }
 }
 
