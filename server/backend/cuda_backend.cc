@@ -564,7 +564,9 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch,
                  r.num_copies() * sizeof(PageCopy));
     }
     if (r.num_tokens() > 0) {
-      PackTokens(batch, r.num_tokens(), &cursor, reinterpret_cast<int64_t*>(h + l.slots),
+      // A round whose tokens the kernel writes needs no slots (the plan has the places).
+      PackTokens(batch, r.num_tokens(), &cursor,
+                 kernel_appends ? nullptr : reinterpret_cast<int64_t*>(h + l.slots),
                  direct_in ? nullptr : reinterpret_cast<uint16_t*>(h + l.k_rows),
                  direct_in ? nullptr : reinterpret_cast<uint16_t*>(h + l.v_rows), &copies);
     }

@@ -108,8 +108,10 @@ void PackTokens(const BackendBatch& batch, int64_t count, TokenCursor* cursor, i
     const TokenWrite& w = batch.writes[cursor->write];
     const int64_t n = std::min<int64_t>(count - done, w.num_tokens - cursor->offset);
     if (n > 0) {
-      copies->Add(slots + done, batch.write_slots.data() + w.slot_begin + cursor->offset,
-                  n * sizeof(int64_t));
+      if (slots != nullptr) {
+        copies->Add(slots + done, batch.write_slots.data() + w.slot_begin + cursor->offset,
+                    n * sizeof(int64_t));
+      }
       if (k_rows != nullptr) {
         copies->Add(k_rows + done * k::kTokenElems, w.k + int64_t{cursor->offset} * k::kTokenElems,
                     n * kRowBytes);

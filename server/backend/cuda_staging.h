@@ -98,7 +98,8 @@ struct TokenCursor {
 // Adds to `copies` the packing of the next `count` written tokens at *cursor into slots
 // [count], k_rows and v_rows [count, 4, 128], and advances the cursor (the bytes move when the
 // caller runs the list). The caller asks for no more tokens than are left. With k_rows and
-// v_rows null only the slots are packed (the rows travel as DeviceRuns).
+// v_rows null only the slots are packed (the rows travel as DeviceRuns); with slots null too,
+// nothing is (the kernel writes the tokens: only the cursor moves).
 void PackTokens(const BackendBatch& batch, int64_t count, TokenCursor* cursor, int64_t* slots,
                 uint16_t* k_rows, uint16_t* v_rows, CopyList* copies);
 

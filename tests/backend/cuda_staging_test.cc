@@ -311,6 +311,20 @@ TEST(KernelAppendRowsTest, OtherWritesNeedTheScatter) {
   EXPECT_FALSE(KernelAppendRows(batch, WholeBatch(batch), &rows));
 }
 
+TEST(PackTokensTest, WithNoBuffersOnlyMovesTheCursor) {
+  const std::vector<uint16_t> k1 = Rows(2, 100), v1 = Rows(2, 200);
+  BackendBatch batch;
+  batch.write_slots = {50, 51, 7};
+  batch.writes.push_back({k1.data(), v1.data(), 2, 0});
+  batch.writes.push_back({k1.data(), v1.data(), 1, 2});
+  TokenCursor cursor;
+  CopyList copies;
+  PackTokens(batch, 3, &cursor, nullptr, nullptr, nullptr, &copies);
+  EXPECT_EQ(copies.bytes(), 0u);
+  EXPECT_EQ(cursor.write, 2u);
+  EXPECT_EQ(cursor.offset, 0);
+}
+
 TEST(DeviceRunsTest, AddRunJoinsPiecesContiguousOnBothSides) {
   std::vector<char> host(1000);
   std::vector<DeviceRun> runs;
