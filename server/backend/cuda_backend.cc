@@ -528,8 +528,11 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch,
       // With the row copies on their way (they only fill this slot's arena): the page ids'
       // check, which must pass before any kernel touches the pool, and where the outputs go.
       if (absl::Status s = ValidatePoolPages(batch, shape); !s.ok()) {
+        // The copies read the batch's blocks: wait for them (with the timeout) before the
+        // engine frees those.
         plan_join.Join();
-        PA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));  // the copies read the blocks
+        PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.staged, stream));
+        PA_RETURN_IF_ERROR(WaitEvent(slot.staged, "waiting for a refused batch's copies"));
         *refused = std::move(s);
         return absl::OkStatus();
       }
