@@ -16,14 +16,19 @@ bool CudaDecodeDeviceAvailable() { return false; }
 CudaDecoder::CudaDecoder(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaDecoder::~CudaDecoder() = default;
 KernelStatus CudaDecoder::Create(const Options&, std::unique_ptr<CudaDecoder>*) { return NoCuda(); }
-KernelStatus CudaDecoder::Plan(const int32_t*, const int32_t*, int32_t, CudaStream) {
+KernelStatus CudaDecoder::Plan(const int32_t*, const int32_t*, int32_t, CudaStream,
+                               const int32_t*) {
   return NoCuda();
 }
-KernelStatus CudaDecoder::PlanInto(const int32_t*, const int32_t*, int32_t, void*, void*, size_t*) {
+KernelStatus CudaDecoder::PlanInto(const int32_t*, const int32_t*, int32_t, void*, void*, size_t*,
+                                   const int32_t*) {
   return NoCuda();
 }
 size_t CudaDecoder::table_bytes() const { return 0; }
 KernelStatus CudaDecoder::Run(const DecodeArgs&, CudaStream) { return NoCuda(); }
+KernelStatus CudaDecoder::Run(const DecodeArgs&, const NewTokenRows&, CudaStream) {
+  return NoCuda();
+}
 void CudaDecoder::SetTimelineForBenchmark(uint64_t*) {}
 int32_t CudaDecoder::num_ctas() const { return 0; }
 int32_t CudaDecoder::threads_per_cta() const { return 0; }
