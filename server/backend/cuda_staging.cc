@@ -131,9 +131,9 @@ void PackTokens(const BackendBatch& batch, int64_t count, TokenCursor* cursor, i
 }
 
 bool KernelAppendRows(const BackendBatch& batch, const Round& r, std::vector<int32_t>* rows) {
+  if (!batch.sequences_distinct || r.num_tokens() == 0) return false;
   const Plan& plan = batch.plan;
   rows->assign(r.num_sequences(), -1);
-  if (!batch.sequences_distinct || r.num_tokens() == 0) return false;
   int64_t t = r.token_begin;
   for (int32_t s = r.seq_begin; s < r.seq_end && t < r.token_end; ++s) {
     const int32_t end = plan.kv_indptr[s + 1];
