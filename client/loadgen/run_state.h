@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "pagedattn/kernels/decode.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "client/client.h"
@@ -32,9 +33,9 @@ inline double SecondsBetween(SteadyClock::time_point a, SteadyClock::time_point 
   return std::chrono::duration<double>(b - a).count();
 }
 
-inline constexpr int64_t kQueryBytes = 24 * 128 * 2;   // one sequence's q (and output)
-inline constexpr int64_t kKvRowBytes = 4 * 128 * 2;    // one token's K (or V)
-inline constexpr int64_t kLseBytes = 24 * 4;           // one sequence's lse
+using kernels::kLseBytes;    // one sequence's lse
+using kernels::kQueryBytes;  // one sequence's q (and output)
+inline constexpr int64_t kKvRowBytes = kernels::kTokenBytes;  // one token's K (or V)
 
 struct Sequence {
   uint64_t id = 0;

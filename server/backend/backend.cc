@@ -54,7 +54,7 @@ absl::Status ValidateBatchShape(const BackendBatch& batch, const Backend::PoolSh
   for (int64_t s : batch.write_slots) {
     if (s < 0 || s >= num_slots) return absl::InternalError(absl::StrCat("slot ", s, " out of range"));
   }
-  const Plan& plan = batch.plan;
+  const kernels::Plan& plan = batch.plan;
   const int32_t b = plan.batch_size();
   if (b > shape.max_batch_size) {
     return absl::InternalError(absl::StrCat("batch of ", b, " > max_batch_size"));

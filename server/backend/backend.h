@@ -28,8 +28,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "pagedattn/kernels/plan.h"
 #include "server/backend/host_ring.h"
-#include "server/batch/planner.h"
 #include "server/kv/kv_types.h"
 
 namespace pagedattn {
@@ -50,7 +50,7 @@ struct BackendBatch {
   std::vector<TokenWrite> writes;
   std::vector<int64_t> write_slots;  // one per written token
   // Phase 3: sequence b of the plan reads q[b] and writes output[b] and lse[b].
-  Plan plan;
+  kernels::Plan plan;
   std::vector<const uint16_t*> q;  // [batch_size] -> [24, 128] bf16, host memory
   float sm_scale = 0.0f;           // the scale itself, never 0 when batch_size > 0
   std::vector<uint16_t*> output;   // [batch_size] -> [24, 128] bf16, host memory, filled by Wait

@@ -71,13 +71,12 @@ absl::Status CpuBackend::Validate(const BackendBatch& batch) const {
 absl::Status CpuBackend::Run(BackendBatch* batch) {
   if (absl::Status s = Validate(*batch); !s.ok()) return s;
   const int64_t layer_stride = shape_.num_pages * k::kPageElems;
-  constexpr size_t kPageBytes = k::kPageElems * sizeof(uint16_t);
   for (const PageCopy& c : batch->page_copies) {
     for (int32_t layer = 0; layer < shape_.num_layers; ++layer) {
       const int64_t src = layer * layer_stride + c.src * k::kPageElems;
       const int64_t dst = layer * layer_stride + c.dst * k::kPageElems;
-      std::memcpy(k_pool_.get() + dst, k_pool_.get() + src, kPageBytes);
-      std::memcpy(v_pool_.get() + dst, v_pool_.get() + src, kPageBytes);
+      std::memcpy(k_pool_.get() + dst, k_pool_.get() + src, k::kPageBytes);
+      std::memcpy(v_pool_.get() + dst, v_pool_.get() + src, k::kPageBytes);
     }
   }
   constexpr size_t kRowBytes = k::kTokenElems * sizeof(uint16_t);

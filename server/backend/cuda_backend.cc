@@ -32,9 +32,6 @@ constexpr int32_t kMaxInFlight = 4;
 // One batch in this many records the begin event (the device_in stage): the event is a call
 // before the batch's row copies, which start the device's chain up to the attention.
 constexpr int64_t kDeviceInEvery = 8;
-constexpr int64_t kPageBytes = k::kPageElems * sizeof(uint16_t);  // one page of K (or of V)
-constexpr int64_t kQueryBytes = k::kQueryElems * sizeof(uint16_t);
-constexpr int64_t kLseBytes = k::kNumQoHeads * sizeof(float);
 // Device memory PagesThatFit keeps back beyond what it counts exactly: per slot, the decoder's
 // tables and partial results (a few MB at 256 CTAs); once, what the runtime takes later
 // (kernel modules load lazily at first launch).
@@ -337,7 +334,7 @@ absl::StatusOr<CudaBackend::MemoryFit> CudaBackend::PagesThatFit(const Options& 
                         slots * (fixed_cap.ArenaBytes() + RoundLayout::kAlignment +
                                  fixed_cap.OutputBytes() + kDecoderReserveBytes);
   // Per page of a layer: K and V in every layer, and the kv_indices capacity of every slot.
-  const int64_t per_page = int64_t{num_layers} * 2 * kPageBytes +
+  const int64_t per_page = int64_t{num_layers} * 2 * k::kPageBytes +
                            slots * std::min(max_batch_size, num_layers) *
                                static_cast<int64_t>(sizeof(int32_t));
   MemoryFit fit;
@@ -386,7 +383,7 @@ absl::Status CudaBackend::Init(const PoolShape& shape) {
 
 absl::Status CudaBackend::Impl::Allocate() {
   PA_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
-  const int64_t pool_bytes = pool_pages * kPageBytes;
+  const int64_t pool_bytes = pool_pages * k::kPageBytes;
   cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&k_pool), pool_bytes);
   if (e != cudaSuccess) return AllocError("the K pool", pool_bytes, e);
   e = cudaMalloc(reinterpret_cast<void**>(&v_pool), pool_bytes);
@@ -469,7 +466,7 @@ absl::Status CudaBackend::Impl::WaitEvent(cudaEvent_t event, absl::string_view w
 absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch,
                                         absl::Status* refused) {
   const cudaStream_t stream = slot.stream;  // everything of this batch goes on its slot's stream
-  const Plan& plan = batch.plan;
+  const kernels::Plan& plan = batch.plan;
   const int32_t b = plan.batch_size();
   TokenCursor cursor;
   slot.timed = false;
@@ -555,7 +552,7 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch,
     copies.Clear();
     if (!direct_in) {
       for (int32_t s = 0; s < ns; ++s) {
-        copies.Add(h + l.q + s * kQueryBytes, batch.q[r.seq_begin + s], kQueryBytes);
+        copies.Add(h + l.q + s * k::kQueryBytes, batch.q[r.seq_begin + s], k::kQueryBytes);
       }
     }
     if (ni > 0) {
@@ -739,8 +736,8 @@ absl::Status CudaBackend::Wait(BackendBatch* batch) {
       const int32_t b = batch->plan.batch_size();
       d.copies.Clear();
       for (int32_t i = 0; i < b; ++i) {
-        d.copies.Add(batch->output[i], slot.host_out + i * kQueryBytes, kQueryBytes);
-        d.copies.Add(batch->lse[i], slot.host_out + LseOffset(b) + i * kLseBytes, kLseBytes);
+        d.copies.Add(batch->output[i], slot.host_out + i * k::kQueryBytes, k::kQueryBytes);
+        d.copies.Add(batch->lse[i], slot.host_out + LseOffset(b) + i * k::kLseBytes, k::kLseBytes);
       }
       d.copies.Run(d.copier.get());
       batch->unpack_seconds = SecondsSince(unpack_begin);

@@ -17,8 +17,7 @@ int64_t AlignUp(int64_t n) {
   return (n + a - 1) / a * a;
 }
 
-constexpr int64_t kRowBytes = k::kTokenElems * sizeof(uint16_t);
-constexpr int64_t kQueryBytes = k::kQueryElems * sizeof(uint16_t);
+constexpr int64_t kRowBytes = k::kTokenBytes;
 
 }  // namespace
 
@@ -41,10 +40,10 @@ RoundLayout LayoutRound(int32_t sequences, int64_t kv_indices, int64_t copies, i
                         int64_t plan_bytes) {
   RoundLayout l;
   int64_t at = 0;
-  static_assert(kQueryBytes % RoundLayout::kAlignment == 0 && kRowBytes % RoundLayout::kAlignment == 0,
+  static_assert(k::kQueryBytes % RoundLayout::kAlignment == 0 && kRowBytes % RoundLayout::kAlignment == 0,
                 "rows back to back");
   l.q = at;
-  at = AlignUp(at + int64_t{sequences} * kQueryBytes);
+  at = AlignUp(at + int64_t{sequences} * k::kQueryBytes);
   l.k_rows = at;
   at = AlignUp(at + tokens * kRowBytes);
   l.v_rows = at;
@@ -132,7 +131,7 @@ void PackTokens(const BackendBatch& batch, int64_t count, TokenCursor* cursor, i
 
 bool KernelAppendRows(const BackendBatch& batch, const Round& r, std::vector<int32_t>* rows) {
   if (!batch.sequences_distinct || r.num_tokens() == 0) return false;
-  const Plan& plan = batch.plan;
+  const kernels::Plan& plan = batch.plan;
   rows->assign(r.num_sequences(), -1);
   int64_t t = r.token_begin;
   for (int32_t s = r.seq_begin; s < r.seq_end && t < r.token_end; ++s) {
@@ -165,7 +164,7 @@ void RowRuns(const BackendBatch& batch, int32_t seq_begin, int32_t ns, int64_t c
              TokenCursor cursor, const RoundLayout& l, std::vector<DeviceRun>* runs) {
   runs->clear();
   for (int32_t s = 0; s < ns; ++s) {
-    AddRun(batch.q[seq_begin + s], l.q + int64_t{s} * kQueryBytes, kQueryBytes, runs);
+    AddRun(batch.q[seq_begin + s], l.q + int64_t{s} * k::kQueryBytes, k::kQueryBytes, runs);
   }
   // K rows of all `count` tokens, then their V rows: two walks from the same cursor.
   for (const bool k_side : {true, false}) {
@@ -190,9 +189,8 @@ void RowRuns(const BackendBatch& batch, int32_t seq_begin, int32_t ns, int64_t c
 void OutputRuns(const BackendBatch& batch, std::vector<DeviceRun>* runs) {
   runs->clear();
   const int32_t b = batch.plan.batch_size();
-  for (int32_t i = 0; i < b; ++i) AddRun(batch.output[i], int64_t{i} * kQueryBytes, kQueryBytes, runs);
-  constexpr int64_t kLseBytes = k::kNumQoHeads * sizeof(float);
-  for (int32_t i = 0; i < b; ++i) AddRun(batch.lse[i], LseOffset(b) + i * kLseBytes, kLseBytes, runs);
+  for (int32_t i = 0; i < b; ++i) AddRun(batch.output[i], int64_t{i} * k::kQueryBytes, k::kQueryBytes, runs);
+  for (int32_t i = 0; i < b; ++i) AddRun(batch.lse[i], LseOffset(b) + i * k::kLseBytes, k::kLseBytes, runs);
 }
 
 int64_t PagesThatFit(int64_t budget_bytes, int64_t fixed_bytes, int64_t bytes_per_page,

@@ -6,27 +6,15 @@
 
 #include <cstdint>
 #include <memory>
-#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "pagedattn/kernels/plan.h"
 
 namespace pagedattn {
 
-// The index tables of one launch, in the layout of kernels::DecodeArgs.
-struct Plan {
-  std::vector<int32_t> kv_indptr{0};       // [batch_size + 1], kv_indptr[0] = 0
-  std::vector<int32_t> kv_indices;         // [kv_indptr[batch_size]], pool page indices
-  std::vector<int32_t> kv_last_page_len;   // [batch_size], 1..64 (1 for a sequence with no tokens)
-
-  int32_t batch_size() const { return static_cast<int32_t>(kv_last_page_len.size()); }
-  void Clear() {
-    kv_indptr.assign(1, 0);
-    kv_indices.clear();
-    kv_last_page_len.clear();
-  }
-};
+using kernels::Plan;
 
 class Planner {
  public:

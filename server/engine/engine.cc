@@ -30,9 +30,6 @@ namespace k = kernels;
 
 namespace {
 
-constexpr int64_t kQueryBytes = k::kQueryElems * sizeof(uint16_t);
-constexpr int64_t kTokenBytes = k::kTokenElems * sizeof(uint16_t);
-constexpr int64_t kLseBytes = k::kNumQoHeads * sizeof(float);
 
 // Where a Decode's tensors lie in its host block (Backend::TakeHostBlock): q, k and v rows (k
 // and v only for a step), then the output and lse rows. For a batch made of one request, q, k
@@ -44,11 +41,11 @@ struct BlockLayout {
 
 BlockLayout LayoutBlock(int64_t b, bool kv) {
   BlockLayout l;
-  l.k = b * kQueryBytes;
-  l.v = l.k + (kv ? b * kTokenBytes : 0);
-  l.output = l.v + (kv ? b * kTokenBytes : 0);
-  l.lse = l.output + b * kQueryBytes;
-  l.bytes = l.lse + b * kLseBytes;
+  l.k = b * k::kQueryBytes;
+  l.v = l.k + (kv ? b * k::kTokenBytes : 0);
+  l.output = l.v + (kv ? b * k::kTokenBytes : 0);
+  l.lse = l.output + b * k::kQueryBytes;
+  l.bytes = l.lse + b * k::kLseBytes;
   return l;
 }
 
@@ -77,8 +74,8 @@ struct WorkItem final : BatchItem {
       if (!decode_done) return;
       if (status.ok() && block) {
         const int64_t b = static_cast<int64_t>(decode.sequence_ids.size());
-        output.output.assign(block.data() + layout.output, b * kQueryBytes);
-        output.lse.assign(block.data() + layout.lse, b * kLseBytes);
+        output.output.assign(block.data() + layout.output, b * k::kQueryBytes);
+        output.lse.assign(block.data() + layout.lse, b * k::kLseBytes);
       }
       block.Reset();  // back to the ring before the response goes out
       if (status.ok()) {
@@ -351,17 +348,17 @@ absl::Status Engine::Impl::ValidateDecode(const DecodeWork& w) const {
     return absl::InvalidArgumentError(
         absl::StrCat("layer ", w.layer, " out of range [0, ", options_.num_layers, ")"));
   }
-  if (static_cast<int64_t>(w.q.size()) != b * kQueryBytes) {
+  if (static_cast<int64_t>(w.q.size()) != b * k::kQueryBytes) {
     return absl::InvalidArgumentError(absl::StrCat("q has ", w.q.size(), " bytes, expected ",
-                                                   b * kQueryBytes));
+                                                   b * k::kQueryBytes));
   }
   if (w.k.empty() != w.v.empty()) {
     return absl::InvalidArgumentError("k and v must both be given or both be empty");
   }
-  if (!w.k.empty() && (static_cast<int64_t>(w.k.size()) != b * kTokenBytes ||
-                       static_cast<int64_t>(w.v.size()) != b * kTokenBytes)) {
+  if (!w.k.empty() && (static_cast<int64_t>(w.k.size()) != b * k::kTokenBytes ||
+                       static_cast<int64_t>(w.v.size()) != b * k::kTokenBytes)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("k and v must have ", b * kTokenBytes, " bytes each"));
+        absl::StrCat("k and v must have ", b * k::kTokenBytes, " bytes each"));
   }
   if (!std::isfinite(w.sm_scale) || w.sm_scale < 0.0f) {
     return absl::InvalidArgumentError("sm_scale must be finite and >= 0");
@@ -382,7 +379,7 @@ absl::Status Engine::Impl::ValidateAppend(const AppendWork& w) const {
         absl::StrCat("layer ", w.layer, " out of range [0, ", options_.num_layers, ")"));
   }
   if (w.num_tokens <= 0) return absl::InvalidArgumentError("num_tokens must be > 0");
-  const int64_t bytes = int64_t{w.num_tokens} * kTokenBytes;
+  const int64_t bytes = int64_t{w.num_tokens} * k::kTokenBytes;
   if (static_cast<int64_t>(w.k.size()) != bytes || static_cast<int64_t>(w.v.size()) != bytes) {
     return absl::InvalidArgumentError(absl::StrCat("k and v must have ", bytes, " bytes each"));
   }
@@ -700,8 +697,8 @@ absl::Status Engine::Impl::ApplyDecode(WorkItem* item, BackendBatch* batch) {
     out_bytes = base + item->layout.output;
     lse_bytes = base + item->layout.lse;
   } else {
-    item->output.output.resize(b * kQueryBytes);
-    item->output.lse.resize(b * kLseBytes);
+    item->output.output.resize(b * k::kQueryBytes);
+    item->output.lse.resize(b * k::kLseBytes);
     out_bytes = item->output.output.data();
     lse_bytes = item->output.lse.data();
   }

@@ -124,7 +124,7 @@ class CpuBackendTest : public ::testing::Test {
 
   // Runs attention for `plan` and checks every sequence against the float64 reference over the
   // host mirror.
-  void RunAndCheck(const Plan& plan, const std::string& what, float sm_scale) {
+  void RunAndCheck(const kernels::Plan& plan, const std::string& what, float sm_scale) {
     const int32_t b = plan.batch_size();
     std::vector<uint16_t> q = RandomBf16(int64_t{b} * k::kQueryElems, rng_);
     std::vector<uint16_t> out(int64_t{b} * k::kQueryElems, kPoisonBf16);
@@ -168,7 +168,7 @@ class CpuBackendTest : public ::testing::Test {
 
   // A plan over distinct random pages of the pool (any layer), per sequence page counts and
   // last-page lengths.
-  Plan RandomPlan(const std::vector<int32_t>& pages, const std::vector<int32_t>& last_len,
+  kernels::Plan RandomPlan(const std::vector<int32_t>& pages, const std::vector<int32_t>& last_len,
                   int64_t pages_per_layer = 0) {
     if (pages_per_layer == 0) pages_per_layer = shape_.num_pages;
     std::vector<int32_t> all;
@@ -178,7 +178,7 @@ class CpuBackendTest : public ::testing::Test {
       }
     }
     std::shuffle(all.begin(), all.end(), rng_);
-    Plan plan;
+    kernels::Plan plan;
     size_t next = 0;
     for (size_t b = 0; b < pages.size(); ++b) {
       for (int32_t p = 0; p < pages[b]; ++p) plan.kv_indices.push_back(all[next++]);
@@ -203,7 +203,7 @@ TEST_F(CpuBackendTest, MatchesReferenceOnScaledWorkloads) {
   for (const Shape& s : shapes) {
     SCOPED_TRACE(s.name);
     // Pages drawn over the shape's own (scaled) pool: the first num_pages of each layer.
-    Plan plan = RandomPlan(s.pages, s.last_len, s.num_pages);
+    kernels::Plan plan = RandomPlan(s.pages, s.last_len, s.num_pages);
     RunAndCheck(plan, s.name, 1.0f / std::sqrt(128.0f));
   }
 }
@@ -222,7 +222,7 @@ TEST_F(CpuBackendTest, MatchesReferenceAtPageBoundaryLengths) {
 
 TEST_F(CpuBackendTest, EmptySequenceGivesZeroAndMinusInfinity) {
   Init(4);
-  Plan plan;
+  kernels::Plan plan;
   plan.kv_indptr = {0, 0, 1};
   plan.kv_indices = {5};
   plan.kv_last_page_len = {1, 10};
@@ -233,7 +233,7 @@ TEST_F(CpuBackendTest, SameResultWithOneOrManyThreads) {
   auto run = [&](int32_t threads) {
     rng_.seed(7);
     Init(12, threads);
-    Plan plan = RandomPlan({3, 1, 2, 4}, {10, 64, 1, 50});
+    kernels::Plan plan = RandomPlan({3, 1, 2, 4}, {10, 64, 1, 50});
     std::vector<uint16_t> q = RandomBf16(4 * k::kQueryElems, rng_);
     std::vector<uint16_t> out(4 * k::kQueryElems, kPoisonBf16);
     std::vector<float> lse(4 * k::kNumQoHeads, 0.0f);
@@ -270,7 +270,7 @@ TEST_F(CpuBackendTest, PageCopiesEveryLayerThenWritesThenAttends) {
   std::copy(v_new.begin(), v_new.end(), v_mirror_.begin() + slot * k::kTokenElems);
 
   // The copy, the write and the attention reading the written slot all go in one batch.
-  Plan plan;
+  kernels::Plan plan;
   plan.kv_indptr = {0, 1, 2};
   plan.kv_indices = {4, 6 + 4};
   plan.kv_last_page_len = {64, 4};

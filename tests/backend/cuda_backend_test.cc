@@ -168,7 +168,7 @@ class TestBatch {
   std::vector<Write> writes_;
   std::vector<int64_t> slots_;
   std::vector<PageCopy> copies_;
-  Plan plan_;
+  kernels::Plan plan_;
   std::vector<uint16_t> q_;
   bool built_ = false;
   bool distinct_ = false;

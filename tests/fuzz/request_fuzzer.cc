@@ -58,8 +58,6 @@ constexpr int kMaxQueued = 8;  // below the engine's max_queue_depth (16): never
 // Fitted k/v stay below 128 KiB each: larger blocks are mmapped afresh on every allocation under
 // ASan, which costs more than the rest of an input. Three fitted appends fill the pool.
 constexpr int32_t kMaxFitTokens = 127;
-constexpr int64_t kQueryBytes = int64_t{k::kQueryElems} * 2;
-constexpr int64_t kTokenBytes = int64_t{k::kTokenElems} * 2;
 
 Engine& SharedEngine() {
   static Engine* const engine = [] {
@@ -98,10 +96,10 @@ bool DecodeIsValid(const v1::DecodeRequest& r) {
   if (r.layer() < 0 || r.layer() >= kLayers) return false;
   absl::flat_hash_set<uint64_t> ids(r.sequence_ids().begin(), r.sequence_ids().end());
   if (static_cast<int64_t>(ids.size()) != b) return false;
-  if (static_cast<int64_t>(r.q().size()) != b * kQueryBytes) return false;
+  if (static_cast<int64_t>(r.q().size()) != b * k::kQueryBytes) return false;
   if (r.k().empty() != r.v().empty()) return false;
-  if (!r.k().empty() && (static_cast<int64_t>(r.k().size()) != b * kTokenBytes ||
-                         static_cast<int64_t>(r.v().size()) != b * kTokenBytes)) {
+  if (!r.k().empty() && (static_cast<int64_t>(r.k().size()) != b * k::kTokenBytes ||
+                         static_cast<int64_t>(r.v().size()) != b * k::kTokenBytes)) {
     return false;
   }
   return std::isfinite(r.sm_scale()) && r.sm_scale() >= 0.0f;
@@ -109,7 +107,7 @@ bool DecodeIsValid(const v1::DecodeRequest& r) {
 
 bool AppendIsValid(const v1::AppendKVRequest& r) {
   if (r.layer() < 0 || r.layer() >= kLayers || r.num_tokens() < 1) return false;
-  const int64_t bytes = int64_t{r.num_tokens()} * kTokenBytes;
+  const int64_t bytes = int64_t{r.num_tokens()} * k::kTokenBytes;
   return static_cast<int64_t>(r.k().size()) == bytes && static_cast<int64_t>(r.v().size()) == bytes;
 }
 
@@ -259,7 +257,7 @@ class RequestRun {
     v1::AppendKVRequest r;
     if (!Parse(payload, &r)) return;
     if (fit && r.num_tokens() >= 1 && r.num_tokens() <= kMaxFitTokens) {
-      const int64_t bytes = int64_t{r.num_tokens()} * kTokenBytes;
+      const int64_t bytes = int64_t{r.num_tokens()} * k::kTokenBytes;
       r.set_k(Stretch(r.k(), bytes));
       r.set_v(Stretch(r.v().empty() ? r.k() : r.v(), bytes));
     }
@@ -303,10 +301,10 @@ class RequestRun {
     if (!Parse(payload, &r)) return;
     const int64_t b = r.sequence_ids_size();
     if (fit && b >= 1 && b <= kMaxBatch) {
-      r.set_q(Stretch(r.q(), b * kQueryBytes));
+      r.set_q(Stretch(r.q(), b * k::kQueryBytes));
       if (!r.k().empty() || !r.v().empty()) {
-        r.set_k(Stretch(r.k(), b * kTokenBytes));
-        r.set_v(Stretch(r.v().empty() ? r.k() : r.v(), b * kTokenBytes));
+        r.set_k(Stretch(r.k(), b * k::kTokenBytes));
+        r.set_v(Stretch(r.v().empty() ? r.k() : r.v(), b * k::kTokenBytes));
       }
     }
     absl::StatusOr<DecodeWork> work = CheckDecodeValidation(r);
@@ -354,13 +352,13 @@ class RequestRun {
                Name(want));
     if (!got.ok()) return;
     FUZZ_CHECK(got->request_id == request_id, "request id ", got->request_id, " for ", request_id);
-    FUZZ_CHECK(static_cast<int64_t>(got->output.size()) == b * kQueryBytes &&
+    FUZZ_CHECK(static_cast<int64_t>(got->output.size()) == b * k::kQueryBytes &&
                    static_cast<int64_t>(got->lse.size()) == b * k::kNumQoHeads * 4,
                "Decode output ", got->output.size(), " B, lse ", got->lse.size(), " B for B ", b);
     for (int64_t i = 0; i < b; ++i) {
       if (visible[i] != 0) continue;
-      const char* out = got->output.data() + i * kQueryBytes;
-      FUZZ_CHECK(std::all_of(out, out + kQueryBytes, [](char c) { return c == 0; }),
+      const char* out = got->output.data() + i * k::kQueryBytes;
+      FUZZ_CHECK(std::all_of(out, out + k::kQueryBytes, [](char c) { return c == 0; }),
                  "sequence ", ids[i], " has no tokens but a non-zero output");
       for (int h = 0; h < k::kNumQoHeads; ++h) {
         float lse;

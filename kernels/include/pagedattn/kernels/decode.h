@@ -18,6 +18,11 @@ inline constexpr int64_t kPageElems = int64_t{kPageSize} * kNumKvHeads * kHeadDi
 inline constexpr int64_t kTokenElems = int64_t{kNumKvHeads} * kHeadDim;
 // Elements of one sequence's query: [24 heads, 128].
 inline constexpr int64_t kQueryElems = int64_t{kNumQoHeads} * kHeadDim;
+// The same in bytes (bf16), and one sequence's lse row ([24] fp32).
+inline constexpr int64_t kPageBytes = kPageElems * 2;
+inline constexpr int64_t kTokenBytes = kTokenElems * 2;
+inline constexpr int64_t kQueryBytes = kQueryElems * 2;
+inline constexpr int64_t kLseBytes = int64_t{kNumQoHeads} * 4;
 
 // One decode batch. Non-owning; every pointer is host memory for the CPU functions and device
 // memory for the CUDA ones. bf16 values travel as their 16-bit patterns.
