@@ -9,6 +9,17 @@
 
 namespace pagedattn {
 
+DecodeBlockLayout DecodeBlockLayout::For(int64_t num_sequences, bool with_kv) {
+  const int64_t kv_bytes = with_kv ? num_sequences * kernels::kTokenBytes : 0;
+  DecodeBlockLayout l;
+  l.k = num_sequences * kernels::kQueryBytes;
+  l.v = l.k + kv_bytes;
+  l.output = l.v + kv_bytes;
+  l.lse = l.output + num_sequences * kernels::kQueryBytes;
+  l.bytes = l.lse + num_sequences * kernels::kLseBytes;
+  return l;
+}
+
 namespace k = kernels;
 
 namespace {

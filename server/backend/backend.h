@@ -95,6 +95,16 @@ struct BackendBatch {
   }
 };
 
+// Where a Decode's tensors lie in a host block of the backend (Backend::TakeHostBlock): q rows,
+// then k and v rows (only for a step), then output rows and lse rows. For a batch made of one
+// request, q, k and v are then one run of bytes, and output and lse another, in the order of
+// the CUDA backend's staging arena and output buffer (cuda_staging.h), so each direction moves
+// in one copy.
+struct DecodeBlockLayout {
+  int64_t q = 0, k = 0, v = 0, output = 0, lse = 0, bytes = 0;
+  static DecodeBlockLayout For(int64_t num_sequences, bool with_kv);
+};
+
 class Backend {
  public:
   struct PoolShape {
@@ -124,9 +134,9 @@ class Backend {
   virtual absl::Status Wait(BackendBatch* batch) = 0;
 
   // Host memory for one Decode's tensors that the backend moves to and from its device without
-  // host copies (pinned, for the CUDA backend; see host_ring.h): the engine copies the request's
-  // q and k/v into it at admission, on the caller's thread, and points the batch's q, k/v,
-  // output and lse at it. Empty when the backend has none, or none free now (the engine then
+  // host copies (pinned, for the CUDA backend; see host_ring.h), laid out as DecodeBlockLayout:
+  // the engine copies the request's q and k/v into it at admission, on the caller's thread, and
+  // points the batch's q, k/v, output and lse at it. Empty when the backend has none, or none free now (the engine then
   // keeps the request's own memory). Thread-safe: called from any thread, also while batches
   // run. The block must be released before the backend is destroyed.
   virtual HostBlock TakeHostBlock(int64_t /*bytes*/) { return {}; }

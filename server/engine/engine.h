@@ -12,8 +12,11 @@
 // the pool happen on the executor, in batch order, so releasing a sequence never races a batch
 // that still reads its pages.
 //
+// Work comes validated from the service edge (server/service/validation.h): B in
+// 1..max_batch_size distinct ids, layer in range, q/k/v sizes, sm_scale resolved (> 0). The
+// engine asserts this in debug builds and does not check it again.
+//
 // Error codes (state never changes on error):
-//   INVALID_ARGUMENT    layer out of range, num_tokens out of range (the service checks sizes)
 //   NOT_FOUND           unknown sequence (or released before its work ran)
 //   ALREADY_EXISTS      CreateSequence / ForkSequence child id in use
 //   RESOURCE_EXHAUSTED  not enough free pages for the whole request
@@ -29,31 +32,21 @@
 // commits the tokens (the length grows). A step at layer l > 0 must follow the same sequence's
 // step at layer l-1 with the same num_tokens; anything else is FAILED_PRECONDITION. A Decode
 // without k/v is not a step: it may come at any time and reads the committed tokens only.
+// Starting a step at layer 0 while one is in progress is FAILED_PRECONDITION. A multi-sequence
+// Decode is checked for all its sequences first and applied only if all pass.
 //
-// Details of this implementation (the API above is unchanged):
-// - The engine re-checks what the service validates: a Decode with no sequences, more than
-//   max_batch_size sequences, duplicate ids, wrong q/k/v byte sizes, k without v, or a negative
-//   or non-finite sm_scale is INVALID_ARGUMENT at once (inline); sm_scale 0 means 1/sqrt(128).
-// - Starting a step at layer 0 while one is in progress is FAILED_PRECONDITION, as is any layer
-//   but the expected next one. A multi-sequence Decode is checked for all its sequences first
-//   (ids, layer order, pages summed over all of them) and applied only if all pass; a copy on
-//   write is counted for each sequence whose last page is shared, even when two siblings in the
-//   same request share it (a conservative count, so a nearly full pool may refuse one page early).
+// More of the contract:
 // - Create/Fork after Shutdown are UNAVAILABLE; Release still works (it only returns pages).
 // - Callbacks of admitted work run in admission order (also across batches), failed items
 //   included, so a stream that submits in order is answered in order (work refused at
 //   admission is answered inline).
-// - With a backend of max_in_flight() > 1 the executor launches queued work before it runs
-//   the callbacks of a batch that finished, and polls the running batch (Backend::Ready) while
-//   it watches the queue, so the next batch is staged while the device still computes.
-// - With a backend that hands out host blocks (Backend::TakeHostBlock: the CUDA backend's pinned
-//   ring), Decode copies the request's q, k and v into one on the caller's thread before it
-//   returns (about 35 us for a Decode of 64 sequences on the H200 host), and the outputs are
-//   copied from it into the DecodeOutput just before the callback; a full ring (or none) leaves
-//   the tensors where they are.
 // - After a backend error every later Decode/Append fails with INTERNAL without running.
-// - NaN/Inf in q or k/v are not checked here: they flow through the attention (NaN propagates
-//   into that sequence's output), never into another sequence.
+// - NaN/Inf in q or k/v are not checked: they flow through the attention (NaN propagates into
+//   that sequence's output), never into another sequence.
+//
+// Inside: admission.h (entry, host blocks, queueing), step_builder.h (state changes and the
+// backend batch), executor.h (launching, pipelining, completion), all on the Options' clock
+// for deadlines, queue delay and drain.
 #pragma once
 
 #include <atomic>
@@ -66,6 +59,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "server/batch/clock.h"
 
 namespace pagedattn {
 
@@ -92,12 +86,13 @@ struct EngineStats {
   int64_t batches = 0;           // backend launches so far
   int64_t decoded_sequences = 0; // sequence-decodes computed so far
   bool healthy = true;
+  bool accepting = true;         // admission open (false once Shutdown began)
 };
 
 // Set by the RPC layer when the caller goes away; checked before compute.
 using CancelFlag = std::shared_ptr<std::atomic<bool>>;
 
-// One Decode RPC (or stream message), sizes already validated by the service.
+// One Decode RPC (or stream message), validated by the service.
 struct DecodeWork {
   uint64_t request_id = 0;
   int32_t layer = 0;
@@ -141,6 +136,9 @@ class Engine {
     // Run the callbacks (and free the work items) on a thread of their own, in the same order,
     // so that the executor goes back to launching while responses are handed to gRPC.
     bool completion_thread = false;
+    // The time source of deadlines, the queue delay and the drain timeout (stage and latency
+    // metrics are measured on the real clock). null: Clock::Real(). Outlives the engine.
+    Clock* clock = nullptr;
   };
 
   // INVALID_ARGUMENT for bad options; whatever the backend's pool allocation returns.

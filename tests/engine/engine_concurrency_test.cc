@@ -20,6 +20,7 @@ using testing::AppendSync;
 using testing::DecodeSync;
 using testing::MakeCpuEngine;
 using testing::Event;
+using testing::MetricValue;
 using testing::Model;
 
 // Many threads, each with its own sequences, decode steps concurrently; every result matches
@@ -160,21 +161,18 @@ TEST(EngineConcurrencyTest, FullQueueIsUnavailableAtOnce) {
   }
   EXPECT_EQ(engine->GetStats().tokens, 10);  // the refused append changed nothing
 
-  double queue_full = 0;
-  for (const auto& family : metrics.registry()->Collect()) {
-    if (family.name != "pagedattn_rejected_requests_total") continue;
-    for (const auto& m : family.metric) {
-      for (const auto& label : m.label) {
-        if (label.name == "reason" && label.value == "queue_full") queue_full += m.counter.value;
-      }
-    }
-  }
-  EXPECT_EQ(queue_full, 2);
+  EXPECT_EQ(MetricValue(metrics, "pagedattn_rejected_requests_total", "reason", "queue_full"), 2);
+}
+
+// Waits until Shutdown, running on another thread, has closed admission.
+void AwaitAdmissionClosed(const Engine& engine) {
+  while (engine.GetStats().accepting) std::this_thread::yield();
 }
 
 TEST(EngineConcurrencyTest, ShutdownDrainsQueuedWork) {
+  FakeClock clock;
   auto engine = MakeCpuEngine({.num_layers = 1, .num_pages = 8, .max_batch_size = 2,
-                               .max_queue_delay = absl::ZeroDuration()});
+                               .max_queue_delay = absl::ZeroDuration(), .clock = &clock});
   Model model(1);
   ASSERT_TRUE(engine->CreateSequence(1).ok());
   model.Create(1);
@@ -194,12 +192,13 @@ TEST(EngineConcurrencyTest, ShutdownDrainsQueuedWork) {
     });
   }
   std::thread stopper([&] { engine->Shutdown(absl::Seconds(30)); });
-  absl::SleepFor(absl::Milliseconds(20));
+  AwaitAdmissionClosed(*engine);
   bool refused = false;  // admission is closed while draining
   engine->Decode(model.MakeDecode({1}, 0, false), [&](absl::StatusOr<DecodeOutput> r) {
     refused = absl::IsUnavailable(r.status());
   });
   EXPECT_TRUE(refused);
+  clock.Advance(absl::Seconds(29));  // within the drain timeout: the queued work still runs
   blocker.release.Notify();
   stopper.join();
   EXPECT_EQ(done.load(), kQueued);  // Shutdown returned after every callback ran
@@ -211,8 +210,9 @@ TEST(EngineConcurrencyTest, ShutdownDrainsQueuedWork) {
 }
 
 TEST(EngineConcurrencyTest, ShutdownPastTheDrainTimeoutFailsWhatIsLeft) {
+  FakeClock clock;
   auto engine = MakeCpuEngine({.num_layers = 1, .num_pages = 8, .max_batch_size = 1,
-                               .max_queue_delay = absl::ZeroDuration()});
+                               .max_queue_delay = absl::ZeroDuration(), .clock = &clock});
   Model model(1);
   ASSERT_TRUE(engine->CreateSequence(1).ok());
   model.Create(1);
@@ -225,13 +225,46 @@ TEST(EngineConcurrencyTest, ShutdownPastTheDrainTimeoutFailsWhatIsLeft) {
       if (absl::IsUnavailable(r.status())) ++unavailable;
     });
   }
-  std::thread stopper([&] { engine->Shutdown(absl::ZeroDuration()); });
-  absl::SleepFor(absl::Milliseconds(20));
+  std::thread stopper([&] { engine->Shutdown(absl::Seconds(10)); });
+  AwaitAdmissionClosed(*engine);
+  clock.Advance(absl::Seconds(10));  // the drain timeout is reached while the work waits
   blocker.release.Notify();
   stopper.join();
   EXPECT_EQ(unavailable.load(), 5);
   EXPECT_EQ(engine->GetStats().tokens, 0);
   EXPECT_EQ(engine->GetStats().queue_depth, 0);
+}
+
+// A deadline that passes while the work waits in the queue drops it before compute; the work
+// queued with it whose deadline has not passed runs.
+TEST(EngineConcurrencyTest, DeadlinePassingInTheQueueDropsTheWork) {
+  FakeClock clock;
+  Metrics metrics;
+  auto engine = MakeCpuEngine({.num_layers = 1, .num_pages = 8, .max_batch_size = 4,
+                               .max_queue_delay = absl::ZeroDuration(), .clock = &clock},
+                              2, &metrics);
+  Model model(1);
+  ASSERT_TRUE(engine->CreateSequence(1).ok());
+  model.Create(1);
+  ExecutorBlocker blocker;
+  engine->Decode(model.MakeDecode({1}, 0, false), blocker.Callback());
+  blocker.entered.Wait();
+  AppendWork soon = model.MakeAppend(1, 0, 3);
+  soon.deadline = clock.Now() + absl::Seconds(1);
+  absl::StatusOr<int64_t> soon_result = absl::UnknownError("not run");
+  engine->Append(soon, [&](absl::StatusOr<int64_t> r) { soon_result = std::move(r); });
+  DecodeWork later = model.MakeDecode({1}, 0, false);
+  later.deadline = clock.Now() + absl::Seconds(5);
+  absl::StatusOr<DecodeOutput> later_result = absl::UnknownError("not run");
+  engine->Decode(later, [&](absl::StatusOr<DecodeOutput> r) { later_result = std::move(r); });
+  clock.Advance(absl::Seconds(2));
+  blocker.release.Notify();
+  engine->Shutdown(absl::Seconds(10));
+  EXPECT_TRUE(absl::IsDeadlineExceeded(soon_result.status())) << soon_result.status();
+  ASSERT_TRUE(later_result.ok()) << later_result.status();
+  model.Check(later, *later_result, {0});  // the dropped append wrote nothing
+  EXPECT_EQ(engine->GetStats().tokens, 0);
+  EXPECT_EQ(MetricValue(metrics, "pagedattn_rejected_requests_total", "reason", "deadline_exceeded"), 1);
 }
 
 TEST(EngineConcurrencyTest, DestructorWithWorkQueuedCompletesEveryCallback) {

@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "server/backend/cpu_backend.h"
 #include "server/engine/engine.h"
+#include "server/metrics/metrics.h"
 #include "tests/backend/test_util.h"
 
 namespace pagedattn::testing {
@@ -161,6 +162,21 @@ class Model {
   std::map<uint64_t, Seq> seqs_;
   uint64_t next_request_ = 1;
 };
+
+// The sum of the samples of a counter family whose label `label` is `value`.
+inline double MetricValue(const Metrics& metrics, const std::string& family_name,
+                          const std::string& label, const std::string& value) {
+  double sum = 0;
+  for (const auto& family : metrics.registry()->Collect()) {
+    if (family.name != family_name) continue;
+    for (const auto& m : family.metric) {
+      for (const auto& l : m.label) {
+        if (l.name == label && l.value == value) sum += m.counter.value;
+      }
+    }
+  }
+  return sum;
+}
 
 inline bool SameState(const EngineStats& a, const EngineStats& b) {
   return a.pages_total == b.pages_total && a.pages_free == b.pages_free &&

@@ -1,0 +1,88 @@
+#include "server/engine/admission.h"
+
+#include <cassert>
+#include <string>
+#include <utility>
+
+#include "absl/time/clock.h"
+#include "server/backend/copy_list.h"
+
+namespace pagedattn {
+
+namespace k = kernels;
+
+void Admission::Decode(DecodeWork work, Engine::DecodeDone done) {
+  const int64_t b = static_cast<int64_t>(work.sequence_ids.size());
+  assert(b > 0 && static_cast<int64_t>(work.q.size()) == b * k::kQueryBytes);
+  assert(work.k.size() == work.v.size() && (work.k.empty() || work.k.size() == b * k::kTokenBytes));
+  assert(work.sm_scale > 0.0f);
+  auto item = std::make_unique<WorkItem>();
+  item->is_decode = true;
+  item->num_sequences = static_cast<int32_t>(b);
+  item->sm_scale = work.sm_scale;
+  item->decode_kv = !work.k.empty();
+  item->decode = std::move(work);
+  item->decode_done = std::move(done);
+  ReceiveIntoBlock(item.get());
+  Enqueue(std::move(item));
+}
+
+void Admission::Append(AppendWork work, Engine::AppendDone done) {
+  assert(work.num_tokens > 0 && work.k.size() == work.num_tokens * k::kTokenBytes &&
+         work.v.size() == work.k.size());
+  auto item = std::make_unique<WorkItem>();
+  item->is_decode = false;
+  item->num_sequences = 1;
+  item->sm_scale = 0.0f;  // no attention: fits any batch
+  item->append = std::move(work);
+  item->append_done = std::move(done);
+  Enqueue(std::move(item));
+}
+
+void Admission::ReceiveIntoBlock(WorkItem* item) {
+  DecodeWork& w = item->decode;
+  const DecodeBlockLayout l =
+      DecodeBlockLayout::For(static_cast<int64_t>(w.sequence_ids.size()), item->decode_kv);
+  HostBlock block = backend_->TakeHostBlock(l.bytes);
+  if (metrics_ != nullptr) metrics_->RecordDecodeReceive(static_cast<bool>(block));
+  if (!block) return;
+  const absl::Time begin = absl::Now();
+  // The block's next reader is the device (a DMA), so the stores skip the caches.
+  CopyForDevice(block.data() + l.q, w.q.data(), w.q.size());
+  if (item->decode_kv) {
+    CopyForDevice(block.data() + l.k, w.k.data(), w.k.size());
+    CopyForDevice(block.data() + l.v, w.v.data(), w.v.size());
+  }
+  if (metrics_ != nullptr) {
+    metrics_->RecordStage(Metrics::Stage::kReceive, absl::ToDoubleSeconds(absl::Now() - begin));
+  }
+  std::string().swap(w.q);
+  std::string().swap(w.k);
+  std::string().swap(w.v);
+  item->block = std::move(block);
+  item->layout = l;
+}
+
+void Admission::Enqueue(std::unique_ptr<WorkItem> item) {
+  if (closed()) {
+    if (metrics_ != nullptr) metrics_->RecordRejected("shutting_down");
+    item->status = absl::UnavailableError("shutting down");
+    item->Complete();
+    return;
+  }
+  std::unique_ptr<BatchItem> queued = std::move(item);
+  queued_.fetch_add(1, std::memory_order_relaxed);
+  if (absl::Status s = batcher_->Enqueue(&queued); !s.ok()) {
+    queued_.fetch_sub(1, std::memory_order_relaxed);
+    if (metrics_ != nullptr) {
+      metrics_->RecordRejected(batcher_->closed() ? "shutting_down" : "queue_full");
+    }
+    auto* back = static_cast<WorkItem*>(queued.get());
+    back->status = std::move(s);
+    back->Complete();
+    return;
+  }
+  if (metrics_ != nullptr) metrics_->SetQueueDepth(batcher_->depth());
+}
+
+}  // namespace pagedattn

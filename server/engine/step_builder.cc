@@ -1,0 +1,157 @@
+#include "server/engine/step_builder.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "pagedattn/kernels/decode.h"
+
+namespace pagedattn {
+
+namespace k = kernels;
+
+absl::StatusOr<std::unique_ptr<StepBuilder>> StepBuilder::Create(const Options& options,
+                                                                 Metrics* metrics) {
+  absl::StatusOr<std::unique_ptr<Planner>> planner =
+      Planner::Create({.num_layers = options.num_layers, .num_pages = options.num_pages});
+  if (!planner.ok()) return planner.status();
+  return std::unique_ptr<StepBuilder>(new StepBuilder(options, *std::move(planner), metrics));
+}
+
+void StepBuilder::Build(const Gate& gate, SequenceTable& table, BlockAllocator& allocator,
+                        InFlight* in) {
+  BackendBatch& batch = in->batch;
+  batch.Clear();
+  for (auto& item : in->items) {
+    item->in_launch = false;
+    if (!gate.healthy) {
+      item->status = absl::InternalError("the backend failed earlier; the engine is unhealthy");
+    } else if (gate.now >= gate.drain_deadline) {
+      Reject("shutting_down");
+      item->status = absl::UnavailableError("shutting down: drain timeout passed");
+    } else if (gate.now >= item->deadline()) {
+      // Before the cancel flag: gRPC also cancels a call whose deadline passed, and that call
+      // is counted as deadline_exceeded.
+      Reject("deadline_exceeded");
+      item->status = absl::DeadlineExceededError("deadline passed before the work ran");
+    } else if (item->cancelled() != nullptr && item->cancelled()->load()) {
+      Reject("cancelled");
+      item->status = absl::CancelledError("cancelled before it ran");
+    } else {
+      item->status = item->is_decode ? AddDecode(table, allocator, item.get(), &batch)
+                                     : AddAppend(table, item.get(), &batch);
+      if (absl::IsResourceExhausted(item->status)) Reject("pool_exhausted");
+      item->in_launch = item->status.ok();
+    }
+  }
+  // Only a batch that writes tokens can use it.
+  batch.sequences_distinct = !batch.writes.empty() && SequencesDistinct(*in);
+}
+
+int64_t StepBuilder::Slot(int32_t layer, absl::Span<const int32_t> pages, int64_t pos) const {
+  return planner_->PoolPage(layer, pages[pos / k::kPageSize]) * k::kPageSize + pos % k::kPageSize;
+}
+
+absl::Status StepBuilder::AddDecode(SequenceTable& table, BlockAllocator& allocator,
+                                    WorkItem* item, BackendBatch* batch) {
+  DecodeWork& w = item->decode;
+  const bool step = item->decode_kv;
+  // Check every sequence, and the pages all of them need, before changing anything. A copy on
+  // write is counted for each sequence whose last page is shared, even when two siblings in
+  // this request share it (a conservative count: a nearly full pool may refuse a page early).
+  int64_t needed = 0;
+  for (uint64_t id : w.sequence_ids) {
+    if (step) {
+      absl::StatusOr<int64_t> n = table.CheckStep(id, w.layer, 1);
+      if (!n.ok()) return n.status();
+      needed += *n;
+    } else if (!table.Contains(id)) {
+      return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
+    }
+  }
+  if (needed > allocator.num_free()) {
+    return absl::ResourceExhaustedError(absl::StrCat("Decode needs ", needed, " free KV pages, ",
+                                                     allocator.num_free(), " free"));
+  }
+  const int64_t b = static_cast<int64_t>(w.sequence_ids.size());
+  item->output.request_id = w.request_id;
+  const char* q_bytes = w.q.data();
+  const char* k_bytes = w.k.data();
+  const char* v_bytes = w.v.data();
+  char* out_bytes;
+  char* lse_bytes;
+  if (item->block) {
+    char* const base = item->block.data();
+    q_bytes = base + item->layout.q;
+    k_bytes = base + item->layout.k;
+    v_bytes = base + item->layout.v;
+    out_bytes = base + item->layout.output;
+    lse_bytes = base + item->layout.lse;
+  } else {
+    item->output.output.resize(b * k::kQueryBytes);
+    item->output.lse.resize(b * k::kLseBytes);
+    out_bytes = item->output.output.data();
+    lse_bytes = item->output.lse.data();
+  }
+  const auto* q = reinterpret_cast<const uint16_t*>(q_bytes);
+  const auto* kk = reinterpret_cast<const uint16_t*>(k_bytes);
+  const auto* vv = reinterpret_cast<const uint16_t*>(v_bytes);
+  auto* out = reinterpret_cast<uint16_t*>(out_bytes);
+  auto* lse = reinterpret_cast<float*>(lse_bytes);
+  for (int64_t i = 0; i < b; ++i) {
+    const uint64_t id = w.sequence_ids[i];
+    int64_t tokens;
+    if (step) {
+      absl::StatusOr<SequenceTable::StepResult> r =
+          table.ApplyStep(id, w.layer, 1, &batch->page_copies);
+      // Checked above, for all sequences together: failing here would be a bookkeeping bug.
+      if (!r.ok()) return absl::InternalError(absl::StrCat("step after check: ", r.status().message()));
+      batch->writes.push_back(TokenWrite{kk + i * k::kTokenElems, vv + i * k::kTokenElems, 1,
+                                         static_cast<int64_t>(batch->write_slots.size())});
+      batch->write_slots.push_back(Slot(w.layer, table.Get(id)->pages, r->first_position));
+      tokens = r->visible_tokens;
+    } else {
+      tokens = table.Get(id)->length;
+    }
+    absl::StatusOr<SequenceTable::View> view = table.Get(id);
+    if (absl::Status s = planner_->AddSequence(w.layer, view->pages, tokens, &batch->plan); !s.ok()) {
+      return absl::InternalError(s.message());
+    }
+    batch->q.push_back(q + i * k::kQueryElems);
+    batch->output.push_back(out + i * k::kQueryElems);
+    batch->lse.push_back(lse + i * k::kNumQoHeads);
+  }
+  batch->sm_scale = item->sm_scale;
+  return absl::OkStatus();
+}
+
+absl::Status StepBuilder::AddAppend(SequenceTable& table, WorkItem* item, BackendBatch* batch) {
+  AppendWork& w = item->append;
+  absl::StatusOr<SequenceTable::StepResult> r =
+      table.ApplyStep(w.sequence_id, w.layer, w.num_tokens, &batch->page_copies);
+  if (!r.ok()) return r.status();
+  absl::StatusOr<SequenceTable::View> view = table.Get(w.sequence_id);
+  batch->writes.push_back(TokenWrite{reinterpret_cast<const uint16_t*>(w.k.data()),
+                                     reinterpret_cast<const uint16_t*>(w.v.data()), w.num_tokens,
+                                     static_cast<int64_t>(batch->write_slots.size())});
+  for (int64_t pos = r->first_position; pos < r->visible_tokens; ++pos) {
+    batch->write_slots.push_back(Slot(w.layer, view->pages, pos));
+  }
+  item->length = r->length;
+  return absl::OkStatus();
+}
+
+bool StepBuilder::SequencesDistinct(const InFlight& in) {
+  keys_.clear();
+  for (const auto& item : in.items) {
+    if (!item->in_launch) continue;
+    if (item->is_decode) {
+      for (uint64_t id : item->decode.sequence_ids) keys_.emplace_back(id, item->decode.layer);
+    } else {
+      keys_.emplace_back(item->append.sequence_id, item->append.layer);
+    }
+  }
+  std::sort(keys_.begin(), keys_.end());
+  return std::adjacent_find(keys_.begin(), keys_.end()) == keys_.end();
+}
+
+}  // namespace pagedattn
