@@ -32,4 +32,5 @@ for exe in "$@"; do
     cp -fL "$path" "$out/lib/$soname"
   done < <(ldd "$exe")
 done
-echo "bundle: $(ls "$out/bin" | wc -l) executables, $(ls "$out/lib" | wc -l) libraries, $(du -sh "$out" | cut -f1)"
+count() { find "$1" -maxdepth 1 -type f | wc -l; }
+echo "bundle: $(count "$out/bin") executables, $(count "$out/lib") libraries, $(du -sh "$out" | cut -f1)"
