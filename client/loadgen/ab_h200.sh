@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A/B of server variants on the GPU host, in one device call: each variant's server is started
+# A/B of server variants on one GPU host, in one run: each variant's server is started
 # in turn and the same five short loadgen runs go against it, and the whole is repeated
 # (interleaved) ROUNDS times, so the variants meet the same host conditions.
 #   client/loadgen/ab_h200.sh NAME=BINARY[,FLAG...] ...

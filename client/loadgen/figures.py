@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""The issue-4 figures from the JSON results of run_h200.sh, as Markdown tables.
+"""The service's reference figures from the JSON results of run_h200.sh, as Markdown tables.
 
     figures.py OUT_DIR
 
 Reads OUT_DIR/*.json (single runs; sweep.json is skipped) and prints: each run's headline
-numbers; the figures the issue asks for against their targets. Standard library only.
+numbers; the reference figures against their targets. Standard library only.
 """
 import glob
 import json

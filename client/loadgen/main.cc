@@ -48,8 +48,8 @@ ABSL_FLAG(int64_t, context_len, 4096, "fixed: tokens per sequence");
 ABSL_FLAG(int64_t, min_context_len, 512, "uniform: smallest length");
 ABSL_FLAG(int64_t, max_context_len, 8192, "uniform: largest length");
 ABSL_FLAG(std::string, workload_file, "",
-          "workload: a JSONL of ../shared/workloads/; empty: kernels/bench/workloads/ or ../shared/workloads/ "
-          "gqa_paged_decode_h24_kv4_d128_ps64.jsonl");
+          "workload: a JSONL of workload shapes; empty: "
+          "kernels/bench/workloads/gqa_paged_decode_h24_kv4_d128_ps64.jsonl (from the repository root)");
 ABSL_FLAG(std::string, workload_shapes, "", "workload: comma-separated shape names (empty: every shape)");
 ABSL_FLAG(std::string, workload_order, "cycle", "workload: cycle through the sequences in order | random");
 ABSL_FLAG(int64_t, max_workload_len, 0, "workload: clamp each length to this many tokens (0: no clamp)");

@@ -220,7 +220,7 @@ Json BuildResult(const RunFacts& f, RunState& state) {
   }
   result.Set("server", std::move(server));
 
-  // The figures, derived.
+  // The reference figures, derived.
   Json derived = Json::Object();
   const Json* srv = result.Find("server");
   const double kernel_mean_us = Get(*srv, {"metrics", "kernel_duration", "mean_us"});

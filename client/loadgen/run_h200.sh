@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# The issue-4 figures on the H200 host, against a pagedattn-server that is already running.
+# The service's reference figures on an H200 host, against a pagedattn-server already running.
 #   client/loadgen/run_h200.sh OUT_DIR
 # Environment (defaults in brackets):
 #   TARGET [127.0.0.1:50051]   METRICS [127.0.0.1:9464]   LOADGEN [build/bin/pagedattn-loadgen]
-#   WORKLOAD_FILE [the loadgen's default lookup]   PYTHON [python3]   QUICK [0: full lengths; 1: short runs]
+#   WORKLOAD_FILE [the loadgen's default, kernels/bench/workloads/]   PYTHON [python3]   QUICK [0: full lengths; 1: short runs]
 #   SMOKE [0; 1: tiny shapes and few steps, to try the script against a CPU-backend server]
-# With a bundle of ../shared/tools/device-bundle.sh (the GPU host has no gRPC C++ libraries):
+# With a bundle of server/backend/make_device_bundle.sh (the GPU host has no gRPC C++ libraries):
 #   LD_LIBRARY_PATH=BUNDLE/lib LOADGEN=BUNDLE/bin/pagedattn-loadgen client/loadgen/run_h200.sh OUT_DIR
 # Start the server with one layer, no batching delay and a pool of at least ~40k pages, e.g.
 #   build/bin/pagedattn-server --backend=cuda --num_layers=1 --max_batch_size=64 --max_queue_delay_us=0 &
 # (--max_queue_delay_us=0: a lone request is launched at once instead of waiting to fill a batch;
 # with the default 200 us figure (b) measures the batching window, not the server's overhead).
 # Writes OUT_DIR/{a_*,b_*,d_*}.json, sweep.json, sweep.png (when matplotlib is there),
-# summary.txt (the loadgen's summaries) and figures.md (the issue's figures against its targets).
+# summary.txt (the loadgen's summaries) and figures.md (the reference figures against their targets).
 set -uo pipefail
 out=${1:?usage: run_h200.sh OUT_DIR}
 cd "$(dirname "$0")/../.."

@@ -147,11 +147,8 @@ absl::StatusOr<std::vector<WorkloadShape>> LoadWorkloadFile(const std::string& p
 }
 
 std::string DefaultWorkloadFile() {
-  for (const std::string dir : {"kernels/bench/workloads/", "../shared/workloads/", "/work/shared/workloads/"}) {
-    const std::string path = dir + kDefaultWorkloadName;
-    if (FileExists(path)) return path;
-  }
-  return "";
+  const std::string path = std::string(kDefaultWorkloadDir) + kDefaultWorkloadName;
+  return FileExists(path) ? path : "";
 }
 
 absl::StatusOr<std::vector<int64_t>> DrawLengths(const LengthOptions& options, int64_t n,
@@ -184,7 +181,8 @@ absl::StatusOr<std::vector<int64_t>> DrawLengths(const LengthOptions& options, i
   const std::string path = options.workload_file.empty() ? DefaultWorkloadFile() : options.workload_file;
   if (path.empty()) {
     return absl::NotFoundError(absl::StrCat("no workload file given and ", kDefaultWorkloadName,
-                                            " not found under kernels/bench/workloads/ or ../shared/workloads/"));
+                                            " not found under ", kDefaultWorkloadDir,
+                                            " (run from the repository root or give --workload_file)"));
   }
   absl::StatusOr<std::vector<WorkloadShape>> shapes = LoadWorkloadFile(path, page_size);
   if (!shapes.ok()) return shapes.status();

@@ -1,6 +1,6 @@
 // Context lengths for the load generator's sequences: fixed, uniform, or taken from a workload
-// file of ../shared/workloads/ (one JSON object a line with name, batch_size, kv_indptr and
-// kv_last_page_len; see ../shared/DEFINITION.md). Pure functions, thread-safe.
+// file such as kernels/bench/workloads/ holds (one JSON object a line with name, batch_size,
+// kv_indptr and kv_last_page_len; see docs/definition.md). Pure functions, thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -28,10 +28,10 @@ absl::StatusOr<WorkloadShape> ParseWorkloadLine(absl::string_view line, int32_t 
 absl::StatusOr<std::vector<WorkloadShape>> LoadWorkloadFile(const std::string& path,
                                                             int32_t page_size = 64);
 
-// The workload file to use when none is given: the first that exists of
-// kernels/bench/workloads/<name> and ../shared/workloads/<name> (relative to the working
-// directory, i.e. the repository root), then /work/shared/workloads/<name>; "" if none.
+// The workload file to use when none is given: kernels/bench/workloads/<name>, relative to the
+// working directory (run from the repository root); "" if it does not exist there.
 std::string DefaultWorkloadFile();
+inline constexpr char kDefaultWorkloadDir[] = "kernels/bench/workloads/";
 inline constexpr char kDefaultWorkloadName[] = "gqa_paged_decode_h24_kv4_d128_ps64.jsonl";
 
 struct LengthOptions {

@@ -1,5 +1,6 @@
 #!/bin/bash
-# One device call: GPU tests, benchmark, PyTorch baseline, merged table, compute-sanitizer.
+# The kernel on a GPU host in one run: GPU tests, benchmark, PyTorch baseline, merged table,
+# compute-sanitizer.
 # Run from the repository root on the GPU host with the binaries in .device/bin (built on a
 # development machine: cmake -S . -B build-kernels -DPAGEDATTN_KERNELS_ONLY=ON; copy
 # build-kernels/bin/* there), or set BIN. Logs go to $OUT (default /tmp/pagedattn-out).

@@ -912,7 +912,7 @@ int main(int argc, char** argv) {
   }
   if (variants || timelines) {
     // The default is printed first and last: the first timeline of a workload has shown slow
-    // streaming whatever the decoder (NOTES.md, v5).
+    // streaming whatever the decoder.
     pk::CudaDecoderOptions o;
     o.tuning.merge = pk::CudaDecoderTuning::Merge::kAuto;
     o.tuning.merge_wait = pk::CudaDecoderTuning::MergeWait::kGrid;

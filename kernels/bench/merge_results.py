@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Merges pagedattn-kernel-bench and torch_baseline.py output with the FlashInfer bar of the
-kernel issue into one JSON object a workload, and prints a markdown table."""
+"""Merges pagedattn-kernel-bench and torch_baseline.py output with the FlashInfer bar into one
+JSON object a workload, and prints a markdown table."""
 import argparse
 import json
 import math
 
-# FlashInfer 0.6.17 batch decode on this H200, the better of its two paths (us), from issue 3.
+# The bar: FlashInfer 0.6.17's batch decode timed on an H200, the better of its two paths (us).
 FLASHINFER_US = {
     "b2_kv130": 19.9, "b4_kv247": 24.5, "b4_kv275": 26.1, "b1_kv361": 29.7, "b8_kv471": 33.5,
     "b8_kv527": 35.6, "b1_kv882": 48.2, "b16_kv993": 51.7, "b32_kv1954": 81.5,

@@ -1,4 +1,4 @@
-// Test and benchmark support: the workloads of ../shared/workloads (one JSON object a line),
+// Test and benchmark support: the workloads of kernels/bench/workloads/ (one JSON object a line),
 // batch builders and the device data helpers. Not part of the kernel library.
 #pragma once
 

@@ -3,7 +3,7 @@
 //
 // The CUDA backend moves about 1 MB through host memory per batch of 64 decodes (q and k/v
 // rows into the pinned arena, output rows out of it); one core copies that at 10-15 GB/s,
-// which made the copies the largest host cost of a batch (client/loadgen/PERF.md).
+// which made the copies the largest host cost of a batch (docs/performance-service.md).
 #pragma once
 
 #include <cstddef>
@@ -26,7 +26,7 @@ class CopyList {
   // caches. kDevice: a DMA copy to a GPU; on x86-64 the copies use non-temporal stores, which
   // write the bytes to memory instead, and the GPU then reads them at about twice the rate it
   // reads lines that it must first fetch from the caches (H200 host: 512 KiB in 14.0 against
-  // 26.6 us; client/loadgen/PERF.md, entry 8). Elsewhere kDevice is plain stores too.
+  // 26.6 us). Elsewhere kDevice is plain stores too.
   enum class Reader { kHost, kDevice };
 
   // Adds a copy of `bytes` from src to dst (regions must not overlap; 0 bytes is a no-op).

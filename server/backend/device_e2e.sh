@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA backend end to end on the GPU host, in one device call. Run from the repository root
+# The CUDA backend end to end on a GPU host, in one run. Run from the repository root
 # there, with the bundle made here by server/backend/make_device_bundle.sh:
 #   server/backend/device_e2e.sh [BUNDLE]          (default .device/bundle)
 # Steps, in order (STEPS, default "tests server loadgen"):
@@ -8,9 +8,9 @@
 #   server   pagedattn-server --backend=cuda (pool sized by --gpu_memory_fraction), its health
 #            probe, a CLI round trip and a small loadgen run with the reference check; the
 #            server stays up for the next step
-#   loadgen  client/loadgen/run_h200.sh (the issue-4 figures) against that server
+#   loadgen  client/loadgen/run_h200.sh (the reference figures) against that server
 # Then a last health probe, SIGTERM and the server's exit status. Logs go to $OUT (default
-# /tmp/pagedattn-e2e), 8 files at most (what the device tool returns): e2e.log (summary: GPU,
+# /tmp/pagedattn-e2e), a few files: e2e.log (summary: GPU,
 # each step's result, server metrics), tests.log, server.log, smoke.json, and from run_h200.sh
 # figures.md, summary.txt, sweep.png and loadgen.tar.gz (its whole output folder).
 # Environment: SERVER_FLAGS (server flags; default one layer, batches of 64, no batching

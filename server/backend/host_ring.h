@@ -2,8 +2,8 @@
 // tensors of Decode requests. A backend that stages through pinned memory (the CUDA one) owns a
 // pinned region and gives each Decode a block at admission: the request's q and k/v are copied
 // into it once, on the caller's thread, the device reads them from there, and the device writes
-// the outputs back into it. So a batch's launch copies no tensor on the host (the pack and
-// unpack of issue 4 leave the executor).
+// the outputs back into it. So a batch's launch copies no tensor on the host (no packing into
+// or unpacking out of staging memory on the executor).
 //
 // Blocks are taken at the head of the ring and reclaimed at its tail. A block freed out of order
 // (a request refused at admission while older ones are in flight) is marked free and reclaimed

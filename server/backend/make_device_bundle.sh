@@ -2,7 +2,7 @@
 # Builds with CUDA and bundles, for the GPU host (which has CUDA but no gRPC, Abseil or
 # prometheus-cpp), what server/backend/device_e2e.sh runs: pagedattn-server, pagedattn-cli,
 # pagedattn-loadgen, pagedattn-health and the gpu-labelled test binaries, with the shared
-# libraries they need (../shared/tools/device-bundle.sh), debug info stripped.
+# libraries they need (server/backend/bundle_executables.sh), debug info stripped.
 #   usage: server/backend/make_device_bundle.sh [BUILD_DIR [BUNDLE_DIR]]
 #          (defaults build-cuda and .device/bundle; .device/ is git-ignored)
 # Environment: JOBS (default 2); SRC (source tree, default this checkout: to bundle exactly the
@@ -13,8 +13,6 @@ cd "$(dirname "$0")/../.."
 build=${1:-build-cuda}
 bundle=${2:-.device/bundle}
 jobs=${JOBS:-2}
-tool=${DEVICE_BUNDLE_TOOL:-../shared/tools/device-bundle.sh}
-[[ -x $tool ]] || tool=/work/shared/tools/device-bundle.sh
 
 src=${SRC:-.}
 cmake -S "$src" -B "$build" -DPAGEDATTN_ENABLE_CUDA=ON > "$build.configure.log" 2>&1 ||
@@ -34,7 +32,7 @@ cmake --build "$build" --target "${targets[@]}" -j"$jobs"
 rm -rf "$bundle"
 exes=()
 for t in "${targets[@]}"; do exes+=("$build/bin/$t"); done
-"$tool" "$bundle" "${exes[@]}"
+server/backend/bundle_executables.sh "$bundle" "${exes[@]}"
 strip --strip-debug "$bundle"/bin/* "$bundle"/lib/* 2> /dev/null || true
 du -sh "$bundle" | awk '{print "bundle after strip: " $1}'
 ls "$bundle/bin"

@@ -14,7 +14,7 @@
 // write, that write may complete and the stream finish and delete the reactor at any moment.
 // So a write is the last thing such a thread starts, and it touches nothing of the reactor
 // after it (holding mu_ across StartWrite would break this: the unlock comes after it; the
-// ASan stage caught that in a 2026-12-04 attempt).
+// ASan stage of CI catches that).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
 // GPU test harness: a batch on the device with fresh random normal data, the CPU reference for
-// it, and the comparison rules of the kernel issue (relative L2 error of each sequence's output
+// it, and the kernel's acceptance rules (relative L2 error of each sequence's output
 // under 1e-2, every lse within 1e-3, empty sequences exactly 0 and -inf, nothing left poisoned).
 #pragma once
 

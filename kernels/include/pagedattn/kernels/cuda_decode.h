@@ -1,4 +1,4 @@
-// The CUDA paged decode attention of ../shared/DEFINITION.md for Hopper (sm_90a), split like
+// The CUDA paged decode attention of docs/definition.md for Hopper (sm_90a), split like
 // FlashInfer's plan/run: Plan() decides the work split on the host and copies its tables to the
 // device with one asynchronous copy; Run() only launches, so it can be captured in a CUDA graph.
 //
@@ -51,14 +51,14 @@ struct CudaDecoderTuning {
   // Work parts per CTA (decode_plan.h): 1 gives each CTA exactly its own equal share; more let
   // CTAs that finish early take further parts at run time. min_part_units: no more parts than
   // leave this many (page, KV head) units (32 KiB of K and V each) in every part.
-  // Measured slower than 1 on the H200 so far (kernels/bench/NOTES.md, v5): 1 by default.
+  // More parts measured slower on the H200 (docs/performance-kernel.md): 1 by default.
   int32_t parts_per_cta = 1;
   int32_t min_part_units = 8;
   // What starting a (seq, head) costs a part of the plan, in pages (PlanCapacity::
   // item_cost_units): > 0 gives parts that start many short sequences fewer pages. Needs
-  // parts_per_cta 1. 0: parts of equal pages (the default; kernels/bench/NOTES.md, v7).
+  // parts_per_cta 1. 0: parts of equal pages (the default; docs/performance-kernel.md).
   int32_t item_cost_pages = 0;
-  // Who merges the pieces of split (seq, head)s (kernels/bench/NOTES.md, v5):
+  // Who merges the pieces of split (seq, head)s:
   //   kInKernel: the decode kernel's CTA that finishes a group's last piece (its chain of
   //              fence, atomic and loads sits on the critical path when every (seq, head) is
   //              split into many pieces; cheap and overlapped when few are split in two);
@@ -66,13 +66,13 @@ struct CudaDecoderTuning {
   //              head of a group (programmatic_launch: as a programmatic dependent launch, so
   //              its CTAs are resident and waiting when the decode grid ends);
   //   kAuto:     kKernel when the batch has at most num_ctas / 2 (seq, head)s with pages (each
-  //              is then cut into 2 or more pieces), else kInKernel (the v5-v6 default).
+  //              is then cut into 2 or more pieces), else kInKernel.
   // The default, kKernel with merge_wait kCounters, measured 2-4% faster than kAuto on the
-  // large multi-sequence batches and the same on the small ones (NOTES.md, v7).
+  // large multi-sequence batches and the same on the small ones.
   enum class Merge { kAuto, kInKernel, kKernel };
   Merge merge = Merge::kKernel;
   bool programmatic_launch = true;
-  // When the merge kernel starts a group (kernels/bench/NOTES.md, v7):
+  // When the merge kernel starts a group:
   //   kGrid:     once the whole decode grid is complete (griddepcontrol.wait);
   //   kCounters: as soon as that group's pieces are written: the decode kernel counts them in a
   //              per-group counter (a release add) that the merge kernel's CTAs acquire, so the
@@ -82,7 +82,7 @@ struct CudaDecoderTuning {
   // How a last page's unused tokens are kept out of the output (their K and V may hold
   // anything, NaN included): false: their V fragments are zeroed in registers; true: their V
   // rows are zeroed in shared memory, which then needs a proxy fence before the stage may be
-  // refilled by the copy engine (the v6 way; kernels/bench/NOTES.md, v7).
+  // refilled by the copy engine.
   bool zero_tail_in_shared = false;
   // The plan's header and every CTA's first work item travel in the launch parameters (8 KiB;
   // from the pinned plan buffer, at Run), so a CTA's first load is its page ids, not a table.

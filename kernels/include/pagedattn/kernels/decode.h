@@ -1,4 +1,4 @@
-// The grouped-query paged decode attention of ../shared/DEFINITION.md: shapes, the argument
+// The grouped-query paged decode attention of docs/definition.md: shapes, the argument
 // struct shared by every implementation, bf16 helpers and the CPU implementations.
 // Plain C++: no CUDA types, so the service builds the same with and without nvcc.
 #pragma once
