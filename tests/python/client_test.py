@@ -154,6 +154,23 @@ class ClientTest(unittest.TestCase):
                              f"request {call.request_id}")
         self.client.release(21)
 
+    def test_decode_stream_ends_at_a_bad_call_after_answering_the_ones_before(self):
+        self.create(61)
+        for layer in range(LAYERS):
+            self.append(61, layer, 3)
+        q = t.random_bf16(self.rng, self.config.q_shape(1))
+        calls = [self.pagedattn.DecodeCall(0, [61], q), self.pagedattn.DecodeCall(0, [61], q),
+                 self.pagedattn.DecodeCall(0, [61], q[:, :-1]), self.pagedattn.DecodeCall(0, [61], q)]
+        results = []
+        with self.assertRaises(self.pagedattn.PagedAttnError) as ctx:
+            for result in self.client.decode_stream(calls):
+                results.append(result)
+        self.assertEqual(ctx.exception.code.name, "INVALID_ARGUMENT")
+        self.assertEqual(len(results), 2)
+        for result in results:
+            t.assert_matches(self, result.check(), self.mirror.expected(0, [61], q, False))
+        self.client.release(61)
+
     def test_decode_stream_steps_through_layers_in_order(self):
         """A decode step's layers on one stream: applied in the order sent."""
         self.create(51)

@@ -4,6 +4,7 @@ Thread-safe: any number of threads may share one Client (gRPC multiplexes the ca
 channel). Every failure raises PagedAttnError with the call's gRPC status code.
 """
 
+import collections
 import itertools
 import threading
 from typing import Iterable, Iterator, Optional
@@ -105,8 +106,7 @@ class Client:
         PagedAttnError. A bad call (shape, dtype) raises before it is sent and ends the
         stream."""
         config = self.config
-        sent = []  # requests written and not yet answered, oldest first
-        lock = threading.Lock()
+        sent = collections.deque()  # requests handed to gRPC and not yet answered, oldest first
         failure = []
 
         def requests():
@@ -119,16 +119,14 @@ class Client:
                 except PagedAttnError as e:
                     failure.append(e)
                     return
-                with lock:
-                    sent.append(request)
+                sent.append(request)
                 yield request
 
         responses = self._stub.DecodeStream(requests(), metadata=self.options.metadata(),
                                             wait_for_ready=self.options.wait_for_ready)
         try:
             for response in responses:
-                with lock:
-                    request = sent.pop(0)
+                request = sent.popleft()
                 yield _protocol.decode_result(config, request, response)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
