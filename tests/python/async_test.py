@@ -136,6 +136,47 @@ class AsyncClientTest(unittest.TestCase):
             await client.release(31)
         self.run_async(body)
 
+    def test_cancelled_stream_fails_its_decodes(self):
+        async def body(client):
+            await self.prefill(client, 51, 3)
+            q = self.tensors(1)[0]
+            stream = await client.open_decode_stream()
+            result = await stream.decode(0, [51], q)
+            t.assert_matches(self, result, self.mirror.expected(0, [51], q, False))
+            pending = asyncio.ensure_future(stream.decode(0, [51], q))
+            await asyncio.sleep(0)  # written, maybe answered
+            stream.cancel()
+            done = await asyncio.gather(pending, return_exceptions=True)
+            if isinstance(done[0], Exception):
+                self.assertEqual(done[0].code.name, "CANCELLED")
+            for call in (lambda: stream.decode(0, [51], q), stream.close):
+                with self.assertRaises(self.pagedattn.PagedAttnError) as ctx:
+                    await call()
+                self.assertEqual(ctx.exception.code.name, "CANCELLED")
+            self.assertEqual((await client.stats()).sequences, 1)
+            await client.release(51)
+        self.run_async(body)
+
+    def test_server_going_away_fails_the_stream(self):
+        async def body(client):
+            async with self.pagedattn.AsyncClient(server.target) as other:
+                await other.create(1)
+                q = t.random_bf16(self.rng, (await other.model_config()).q_shape(1))
+                stream = await other.open_decode_stream()
+                await stream.decode(0, [1], q)
+                server.kill()
+                with self.assertRaises(self.pagedattn.PagedAttnError) as ctx:
+                    await stream.decode(0, [1], q)
+                self.assertEqual(ctx.exception.code.name, "UNAVAILABLE")
+                with self.assertRaises(self.pagedattn.PagedAttnError) as ctx:
+                    await stream.close()
+                self.assertEqual(ctx.exception.code.name, "UNAVAILABLE")
+                with self.assertRaises(self.pagedattn.PagedAttnError) as ctx:
+                    await other.stats()
+                self.assertEqual(ctx.exception.code.name, "UNAVAILABLE")
+        with t.Server(t.ARGS.server, ["--num_pages=4", "--num_layers=1"]) as server:
+            self.run_async(body)
+
     def test_errors_raise_status_codes(self):
         async def body(client):
             await self.prefill(client, 41, 4)

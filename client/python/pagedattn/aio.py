@@ -218,11 +218,12 @@ class AsyncDecodeStream:
                         await self._call.done_writing()
                     except grpc.RpcError:
                         pass  # the reader reports the stream's status
-        await self._reader
+        await asyncio.wait([self._reader])  # its outcome is in self._broken
         if self._broken is not None:
             raise self._broken
 
     def cancel(self) -> None:
-        """Cancels the stream: pending decodes fail with CANCELLED."""
+        """Cancels the stream: pending and later decodes fail with CANCELLED."""
         self._closed = True
+        self._fail(PagedAttnError(grpc.StatusCode.CANCELLED, "the stream was cancelled"))
         self._call.cancel()
