@@ -31,10 +31,11 @@ class BuildWithStubs(build_py):
                              "install from the repository (pip install client/python) or set "
                              "PAGEDATTN_PROTO_DIR")
         os.makedirs(self.build_lib, exist_ok=True)
-        subprocess.run([_tool("PROTOC", "protoc"), f"-I{proto_dir}", f"--python_out={self.build_lib}",
-                        f"--grpc_out={self.build_lib}",
-                        f"--plugin=protoc-gen-grpc={_tool('GRPC_PYTHON_PLUGIN', 'grpc_python_plugin')}",
-                        os.path.join(proto_dir, PROTO)], check=True)
+        plugin = _tool("GRPC_PYTHON_PLUGIN", "grpc_python_plugin")
+        subprocess.run([_tool("PROTOC", "protoc"), f"-I{proto_dir}",
+                        f"--python_out={self.build_lib}", f"--grpc_out={self.build_lib}",
+                        f"--plugin=protoc-gen-grpc={plugin}", os.path.join(proto_dir, PROTO)],
+                       check=True)
 
 
 setup(cmdclass={"build_py": BuildWithStubs})

@@ -5,6 +5,7 @@ numpy reference of the attention.
 usage: /usr/bin/python3 client_test.py --server=BIN --package=BUILD/python
 """
 
+import threading
 import unittest
 
 import numpy as np
@@ -154,13 +155,48 @@ class ClientTest(unittest.TestCase):
                              f"request {call.request_id}")
         self.client.release(21)
 
+    def test_threads_share_one_client(self):
+        """Four threads, each stepping its own sequence through every layer, on one Client."""
+        sids = [71, 72, 73, 74]
+        for sid in sids:
+            self.create(sid)
+            for layer in range(LAYERS):
+                self.append(sid, layer, 10 + sid)
+        errors = []
+
+        def worker(sid, seed):
+            rng = np.random.default_rng(seed)
+            try:
+                for _ in range(3):
+                    for layer in range(LAYERS):
+                        q = t.random_bf16(rng, self.config.q_shape(1))
+                        k = t.random_bf16(rng, self.config.kv_shape(1))
+                        v = t.random_bf16(rng, self.config.kv_shape(1))
+                        result = self.client.decode(layer, [sid], q, k, v)
+                        self.mirror.append(sid, layer, k, v)  # this thread's own entry
+                        t.assert_matches(self, result,
+                                         self.mirror.expected(layer, [sid], q, True))
+            except Exception as e:  # pylint: disable=broad-except
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(sid, sid)) for sid in sids]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        self.assertEqual(errors, [])
+        for sid in sids:
+            self.assertEqual(self.mirror.length(sid), 10 + sid + 3)
+            self.attend(LAYERS - 1, [sid])
+            self.client.release(sid)
+
     def test_decode_stream_ends_at_a_bad_call_after_answering_the_ones_before(self):
         self.create(61)
         for layer in range(LAYERS):
             self.append(61, layer, 3)
         q = t.random_bf16(self.rng, self.config.q_shape(1))
-        calls = [self.pagedattn.DecodeCall(0, [61], q), self.pagedattn.DecodeCall(0, [61], q),
-                 self.pagedattn.DecodeCall(0, [61], q[:, :-1]), self.pagedattn.DecodeCall(0, [61], q)]
+        call = self.pagedattn.DecodeCall
+        calls = [call(0, [61], q), call(0, [61], q), call(0, [61], q[:, :-1]), call(0, [61], q)]
         results = []
         with self.assertRaises(self.pagedattn.PagedAttnError) as ctx:
             for result in self.client.decode_stream(calls):

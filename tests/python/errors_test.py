@@ -156,7 +156,8 @@ class OptionsTest(unittest.TestCase):
         make_ca(cls.dir, "other-ca")
         make_leaf(cls.dir, "server", "ca", "subjectAltName=DNS:pagedattn.test\n"
                   "basicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n")
-        make_leaf(cls.dir, "client", "ca", "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n")
+        make_leaf(cls.dir, "client", "ca",
+                  "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n")
         with open(cls.p("token"), "w") as f:
             f.write(TOKEN + "\n")
 

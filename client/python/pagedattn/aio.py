@@ -56,8 +56,9 @@ class AsyncClient:
         try:
             await asyncio.wait_for(self._channel.channel_ready(), timeout)
         except asyncio.TimeoutError:
-            raise PagedAttnError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                 f"not connected to {self.options.target} within {timeout} s") from None
+            raise PagedAttnError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"not connected to {self.options.target} within {timeout} s") from None
 
     async def _call(self, method, request, timeout=None):
         try:

@@ -53,8 +53,9 @@ class Client:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            raise PagedAttnError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                 f"not connected to {self.options.target} within {timeout} s") from None
+            raise PagedAttnError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"not connected to {self.options.target} within {timeout} s") from None
 
     def _call(self, method, request, timeout=None):
         try:
