@@ -24,6 +24,7 @@ build_pkgs=(
 )
 test_pkgs=(
   prometheus python3 python3-grpcio python3-protobuf python3-yaml
+  python3-numpy python3-venv python3-setuptools python3-wheel
   docker-compose openssl curl procps clang libclang-rt-dev
   nodejs
 )

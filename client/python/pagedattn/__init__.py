@@ -1,0 +1,27 @@
+"""pagedattn: the Python client of the pagedattn service (pagedattn.v1.PagedAttention), a paged
+KV cache and decode attention served over gRPC.
+
+    import numpy as np, pagedattn
+    with pagedattn.Client("127.0.0.1:50051") as client:
+        cfg = client.config                       # every shape comes from GetModelConfig
+        client.create(7)
+        ...
+
+Client (sync) and AsyncClient (asyncio) take numpy arrays (float -> bf16 round to nearest
+even, or uint16 bf16 bit patterns) and torch tensors when torch is imported; outputs are numpy
+float32. Every failure raises PagedAttnError carrying the gRPC status code.
+"""
+
+from . import bf16, tensors
+from .aio import AsyncClient, AsyncDecodeStream
+from .client import Client
+from .errors import PagedAttnError
+from .options import ClientOptions
+from .types import DecodeCall, DecodeResult, ModelConfig, Stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncClient", "AsyncDecodeStream", "Client", "ClientOptions", "DecodeCall", "DecodeResult",
+    "ModelConfig", "PagedAttnError", "Stats", "bf16", "tensors",
+]

@@ -1,0 +1,86 @@
+"""Tensors in and out of the wire format, shape-checked against the server's ModelConfig.
+
+Accepted as input:
+  - numpy arrays of float16/float32/float64 (converted to bf16, round to nearest even; float64
+    is rounded to float32 first);
+  - numpy uint16 arrays, taken as bf16 bit patterns and sent unchanged (also ml_dtypes'
+    bfloat16 arrays, viewed as their bits);
+  - torch tensors, when torch is imported by the caller: bfloat16 tensors are sent bit for bit,
+    floating tensors are converted like numpy arrays. A CUDA tensor is copied to the host first
+    (synchronously); the server's registered memory regions (tensors by reference) will avoid
+    that copy once the server offers them.
+Anything else, or a shape other than the one the config implies, is INVALID_ARGUMENT before
+anything is sent.
+"""
+
+import sys
+
+import grpc
+import numpy as np
+
+from . import bf16
+from .errors import PagedAttnError, invalid_argument
+
+
+def _torch_bits_or_floats(x):
+    """A torch tensor -> (uint16 bf16 bits or None, float array or None), on the host."""
+    torch = sys.modules["torch"]
+    t = x.detach()
+    if t.dtype == torch.bfloat16:
+        return t.to("cpu").contiguous().view(torch.int16).numpy().view(np.uint16), None
+    if not t.is_floating_point():
+        raise invalid_argument(f"tensor of dtype {t.dtype}: expected a floating dtype")
+    return None, t.to(device="cpu", dtype=torch.float32).contiguous().numpy()
+
+
+def _is_torch_tensor(x) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def as_bf16_bits(x, shape, name: str) -> np.ndarray:
+    """x (see the module doc) -> contiguous uint16 bf16 bits of exactly `shape`."""
+    if x is None:
+        raise invalid_argument(f"{name} is missing")
+    if _is_torch_tensor(x):
+        bits, floats = _torch_bits_or_floats(x)
+    elif isinstance(x, np.ndarray):
+        bits = floats = None
+        if x.dtype == np.uint16:
+            bits = x
+        elif x.dtype.name == "bfloat16":
+            bits = x.view(np.uint16)
+        elif np.issubdtype(x.dtype, np.floating):
+            floats = x
+        else:
+            raise invalid_argument(f"{name} has dtype {x.dtype}: expected float16/32/64, uint16 "
+                                   "(bf16 bits) or bfloat16")
+    else:
+        raise invalid_argument(f"{name} is a {type(x).__name__}: expected a numpy array or a "
+                               "torch tensor")
+    got = tuple((bits if bits is not None else floats).shape)
+    if got != tuple(shape):
+        raise invalid_argument(f"{name} has shape {got}, expected {tuple(shape)}")
+    return np.ascontiguousarray(bits) if bits is not None else bf16.to_bits(floats)
+
+
+def to_wire(x, shape, name: str) -> bytes:
+    """x -> the wire's bf16 bytes, checked against `shape`."""
+    return bf16.encode(as_bf16_bits(x, shape, name))
+
+
+def output_from_wire(data: bytes, shape) -> np.ndarray:
+    """DecodeResponse.output -> float32 of `shape` (exact: every bf16 is a float32)."""
+    expected = int(np.prod(shape)) * 2
+    if len(data) != expected:
+        raise PagedAttnError(grpc.StatusCode.INTERNAL,
+                             f"the server sent an output of {len(data)} bytes, expected {expected}")
+    return bf16.from_bits(bf16.decode(data, shape))
+
+
+def lse_from_wire(data: bytes, shape) -> np.ndarray:
+    expected = int(np.prod(shape)) * 4
+    if len(data) != expected:
+        raise PagedAttnError(grpc.StatusCode.INTERNAL,
+                             f"the server sent an lse of {len(data)} bytes, expected {expected}")
+    return bf16.decode_float32(data, shape)

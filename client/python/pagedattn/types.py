@@ -1,0 +1,91 @@
+"""Plain values the clients return and take: the server's model config (every tensor shape comes
+from it), its stats, a decode call and its result."""
+
+import dataclasses
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .errors import PagedAttnError
+
+
+def _from_message(cls, message):
+    return cls(**{f.name: getattr(message, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """GetModelConfig: the shapes and limits of this server."""
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    num_layers: int
+    num_pages: int
+    max_batch_size: int
+    backend: str
+    max_message_bytes: int
+
+    @classmethod
+    def from_message(cls, message) -> "ModelConfig":
+        return _from_message(cls, message)
+
+    def q_shape(self, batch: int):
+        """Decode q and output: [B, num_qo_heads, head_dim]."""
+        return (batch, self.num_qo_heads, self.head_dim)
+
+    def kv_shape(self, tokens: int):
+        """AppendKV k/v ([tokens, ...]) and Decode k/v ([B, ...]): [n, num_kv_heads, head_dim]."""
+        return (tokens, self.num_kv_heads, self.head_dim)
+
+    def lse_shape(self, batch: int):
+        return (batch, self.num_qo_heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """GetStats: pool and engine counters."""
+    pages_total: int
+    pages_free: int
+    sequences: int
+    tokens: int
+    queue_depth: int
+    batches: int
+    decoded_sequences: int
+    healthy: bool
+
+    @classmethod
+    def from_message(cls, message) -> "Stats":
+        return _from_message(cls, message)
+
+
+@dataclasses.dataclass
+class DecodeCall:
+    """One Decode for a stream (Client.decode_stream, AsyncDecodeStream.decode): q is
+    [B, num_qo_heads, head_dim]; k and v, both or neither, [B, num_kv_heads, head_dim] (the new
+    token of each sequence: a decode step); without them the call only attends. sm_scale 0 means
+    1/sqrt(head_dim). request_id None: the stream numbers its requests."""
+    layer: int
+    sequence_ids: Sequence[int]
+    q: object
+    k: object = None
+    v: object = None
+    sm_scale: float = 0.0
+    request_id: Optional[int] = None
+
+
+@dataclasses.dataclass
+class DecodeResult:
+    """A Decode's answer: output float32 [B, num_qo_heads, head_dim] (bf16 values, exact in
+    float32), lse float32 [B, num_qo_heads] (log2 of the softmax denominator; -inf for a
+    sequence without tokens). In a stream, a request that failed has `error` set and no
+    tensors (the stream goes on); check() raises it."""
+    request_id: int
+    output: Optional[np.ndarray] = None
+    lse: Optional[np.ndarray] = None
+    error: Optional[PagedAttnError] = None
+
+    def check(self) -> "DecodeResult":
+        if self.error is not None:
+            raise self.error
+        return self
