@@ -27,16 +27,12 @@
 #include "absl/time/time.h"
 #include "client/bf16.h"
 #include "client/client.h"
+#include "client/tls_flags.h"
 #include "google/protobuf/util/json_util.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address (any gRPC target)");
 ABSL_FLAG(int64_t, max_message_bytes, 64 << 20, "Client send/receive message limit in bytes");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(60), "Deadline of each call (0: none)");
-ABSL_FLAG(bool, tls, false, "Connect with TLS (implied by --tls_ca/--tls_cert/--tls_key)");
-ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle to verify the server with (default: system roots)");
-ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate, for a server that requires mutual TLS");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
-ABSL_FLAG(std::string, tls_server_name, "", "Name to check the server certificate against");
 ABSL_FLAG(std::string, auth_token_file, "", "File holding the bearer token to send on every call");
 ABSL_FLAG(int32_t, layer, -1, "Layer for append/decode; -1 walks every layer 0..L-1 in order");
 ABSL_FLAG(int32_t, num_tokens, 64, "append: tokens of random K/V (ignored with --k_file/--v_file)");
@@ -184,11 +180,7 @@ int Run(const std::vector<std::string>& args) {
   options.target = absl::GetFlag(FLAGS_target);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.timeout = absl::GetFlag(FLAGS_timeout);
-  options.tls = absl::GetFlag(FLAGS_tls);
-  options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca);
-  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
-  options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
-  options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  pagedattn::client::ApplyTlsFlags(&options);
   if (const std::string token_file = absl::GetFlag(FLAGS_auth_token_file); !token_file.empty()) {
     std::ifstream in(token_file);
     std::ostringstream content;

@@ -10,16 +10,12 @@
 #include "absl/flags/usage.h"
 #include "absl/time/time.h"
 #include "client/health/health_probe.h"
+#include "client/tls_flags.h"
 
 ABSL_FLAG(std::string, address, "127.0.0.1:50051", "gRPC target of the server");
 ABSL_FLAG(std::string, service, "",
           "health service name: empty for the whole server, or pagedattn.v1.PagedAttention");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(1), "deadline of the check, e.g. 500ms, 2s");
-ABSL_FLAG(bool, tls, false, "connect with TLS (implied by --tls_ca/--tls_cert/--tls_key)");
-ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle to verify the server with (default: system roots)");
-ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate, for a server that requires mutual TLS");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
-ABSL_FLAG(std::string, tls_server_name, "", "name to check the server certificate against");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
@@ -30,11 +26,7 @@ int main(int argc, char** argv) {
   options.address = absl::GetFlag(FLAGS_address);
   options.service = absl::GetFlag(FLAGS_service);
   options.timeout = absl::GetFlag(FLAGS_timeout);
-  options.tls = absl::GetFlag(FLAGS_tls);
-  options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca);
-  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
-  options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
-  options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  pagedattn::client::ApplyTlsFlags(&options);
   const std::string service_label = options.service.empty() ? "(server)" : options.service;
 
   absl::StatusOr<std::string> answer = pagedattn::health::Check(options);

@@ -142,23 +142,31 @@ Metrics::Metrics()
     stage_duration_[i] =
         &stages.Add({{"stage", std::string(StageName(static_cast<Stage>(i)))}}, LatencyBuckets());
   }
+  for (std::string_view reason : kRejectReasons) rejected_.Add({{"reason", std::string(reason)}});
+}
+
+prometheus::Histogram* Metrics::DurationOf(std::string_view method) {
+  absl::MutexLock lock(&mu_);
+  auto it = duration_by_method_.find(method);
+  if (it == duration_by_method_.end()) {
+    it = duration_by_method_
+             .emplace(std::string(method),
+                      &request_duration_.Add({{"method", std::string(method)}}, LatencyBuckets()))
+             .first;
+  }
+  return it->second;
+}
+
+void Metrics::DeclareMethod(std::string_view method, const std::vector<std::string_view>& codes) {
+  for (std::string_view code : codes) {
+    requests_.Add({{"method", std::string(method)}, {"code", std::string(code)}});
+  }
+  DurationOf(method);
 }
 
 void Metrics::RecordRequest(std::string_view method, std::string_view code, double seconds) {
   requests_.Add({{"method", std::string(method)}, {"code", std::string(code)}}).Increment();
-  prometheus::Histogram* histogram;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = duration_by_method_.find(method);
-    if (it == duration_by_method_.end()) {
-      it = duration_by_method_
-               .emplace(std::string(method),
-                        &request_duration_.Add({{"method", std::string(method)}}, LatencyBuckets()))
-               .first;
-    }
-    histogram = it->second;
-  }
-  histogram->Observe(seconds);
+  DurationOf(method)->Observe(seconds);
 }
 
 void Metrics::RecordQueueDuration(double seconds) { queue_duration_.Observe(seconds); }

@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "prometheus/counter.h"
@@ -57,6 +58,10 @@ class Metrics {
   // The registry to hand to a prometheus::Exposer (or to collect from in tests).
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
+  // Exports pagedattn_requests_total{method,code} at 0 for each of `codes`, and the method's
+  // pagedattn_request_duration_seconds, so alert rules and dashboards have series before the
+  // first request. The service declares its methods once, at start.
+  void DeclareMethod(std::string_view method, const std::vector<std::string_view>& codes);
   // pagedattn_requests_total{method,code} and pagedattn_request_duration_seconds{method}.
   void RecordRequest(std::string_view method, std::string_view code, double seconds);
   // pagedattn_queue_duration_seconds: time a work item waited before its batch launched.
@@ -73,8 +78,11 @@ class Metrics {
   // host_block (the backend's pinned ring) or request (their own memory: the backend has no ring,
   // or it was full).
   void RecordDecodeReceive(bool into_host_block);
-  // pagedattn_rejected_requests_total{reason}: queue_full, shutting_down, deadline_exceeded,
-  // cancelled, pool_exhausted, unauthenticated.
+  // pagedattn_rejected_requests_total{reason}: one of kRejectReasons (each exported from the
+  // start, at 0).
+  static constexpr std::string_view kRejectReasons[] = {
+      "queue_full", "shutting_down", "deadline_exceeded", "cancelled", "pool_exhausted",
+      "unauthenticated"};
   void RecordRejected(std::string_view reason);
   // pagedattn_queue_depth: work items waiting for a batch.
   void SetQueueDepth(int64_t depth);
@@ -105,6 +113,8 @@ class Metrics {
   prometheus::Gauge& sequences_;
   prometheus::Gauge& tokens_;
   prometheus::Gauge& backend_healthy_;
+
+  prometheus::Histogram* DurationOf(std::string_view method);
 
   // Family::Add looks up its labels under the family's lock on every call; the histograms of
   // the few methods are cached here instead.

@@ -69,8 +69,11 @@ class PagedAttentionService final : public v1::PagedAttention::CallbackService {
   const Options options_;
   Engine* const engine_;
   Metrics* const metrics_;
-  // False after completing `call` with UNAUTHENTICATED when the token check fails.
-  bool Authenticate(grpc::CallbackServerContext* context, UnaryCall* call);
+  // The prologue of every unary handler: a UnaryCall for `method`, completed UNAUTHENTICATED
+  // when the token check fails, else handed to body(call), which completes it (now or later).
+  template <typename Body>
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, std::string_view method,
+                                  Body body);
   // pagedattn_stage_duration_seconds{stage="to_work"}: from `start` to now.
   void RecordToWork(absl::Time start);
 

@@ -129,5 +129,27 @@ TEST(MetricsTest, StagesAreHistogramsByStageName) {
   EXPECT_NE(text.find("pagedattn_batch_duration_seconds_count 1"), std::string::npos);
 }
 
+TEST(MetricsTest, RejectionReasonsAndDeclaredMethodsAreExportedAtZero) {
+  Metrics metrics;
+  metrics.DeclareMethod("Decode", {"OK", "RESOURCE_EXHAUSTED"});
+  const std::string text = prometheus::TextSerializer().Serialize(metrics.registry()->Collect());
+  for (std::string_view reason : Metrics::kRejectReasons) {
+    EXPECT_NE(text.find("pagedattn_rejected_requests_total{reason=\"" + std::string(reason) + "\"} 0"),
+              std::string::npos)
+        << reason << "\n" << text;
+  }
+  EXPECT_NE(text.find("pagedattn_requests_total{code=\"RESOURCE_EXHAUSTED\",method=\"Decode\"} 0"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("pagedattn_request_duration_seconds_count{method=\"Decode\"} 0"),
+            std::string::npos);
+  EXPECT_EQ(text.find("method=\"AppendKV\""), std::string::npos);  // not declared
+  metrics.RecordRejected("queue_full");
+  metrics.RecordRequest("Decode", "OK", 1e-4);
+  const std::string after = prometheus::TextSerializer().Serialize(metrics.registry()->Collect());
+  EXPECT_NE(after.find("pagedattn_rejected_requests_total{reason=\"queue_full\"} 1"), std::string::npos);
+  EXPECT_NE(after.find("pagedattn_requests_total{code=\"OK\",method=\"Decode\"} 1"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace pagedattn
