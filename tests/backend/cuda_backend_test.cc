@@ -348,7 +348,7 @@ TEST_F(CudaBackendTest, BatchesInFlightRunInLaunchOrder) {
     SCOPED_TRACE(stream_per_slot ? "stream per slot" : "one stream");
     CudaBackend::Options options;
     options.max_in_flight = 3;
-    options.stream_per_slot = stream_per_slot;
+    options.tuning.stream_per_slot = stream_per_slot;
     SetUpBackends({.num_layers = 1, .num_pages = 16, .max_batch_size = 4}, options);
     RunBatchesInFlight();
   }
@@ -573,9 +573,10 @@ TEST_P(CudaEngineTest, TheEngineGivesTheSameResultsOnBothBackends) {
                                 .max_queue_delay = absl::Microseconds(100)};
   auto cpu_backend = CpuBackend::Create({.num_threads = 2});
   ASSERT_TRUE(cpu_backend.ok());
-  auto gpu_backend = CudaBackend::Create({.staged_tokens = 100,
-                                          .host_ring_bytes = std::get<0>(GetParam()),
-                                          .kernel_writes_outputs = std::get<1>(GetParam())});
+  auto gpu_backend = CudaBackend::Create(
+      {.staged_tokens = 100,
+       .host_ring_bytes = std::get<0>(GetParam()),
+       .tuning = {.kernel_writes_outputs = std::get<1>(GetParam())}});
   ASSERT_TRUE(gpu_backend.ok());
   auto cpu = Engine::Create(options, *std::move(cpu_backend), nullptr);
   ASSERT_TRUE(cpu.ok()) << cpu.status();
