@@ -87,7 +87,8 @@ struct CudaBackend::Impl {
   uint16_t* v_pool = nullptr;
   cudaStream_t shared_stream = nullptr;  // every slot's, without stream_per_slot
   std::vector<Slot> slots;
-  cudaEvent_t last_pool_done = nullptr;  // of the batch launched last: the next one's pool work waits
+  // The pool-done event of the batch launched last: the next batch's pool work waits for it.
+  cudaEvent_t last_pool_done = nullptr;
   int32_t next_launch = 0;
   int32_t next_wait = 0;
   int32_t in_flight = 0;

@@ -51,8 +51,8 @@ class BatchBuilder {
 };
 
 StagingCapacity Capacity(int64_t staged_tokens = 8192) {
-  StagingCapacity c =
-      StagingCapacity::For({.num_layers = 2, .num_pages = 100, .max_batch_size = 16}, staged_tokens);
+  StagingCapacity c = StagingCapacity::For(
+      {.num_layers = 2, .num_pages = 100, .max_batch_size = 16}, staged_tokens);
   c.plan_bytes = 4096;
   return c;
 }
