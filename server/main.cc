@@ -69,22 +69,6 @@ ABSL_FLAG(int64_t, cuda_host_ring_mib, 128,
           "CUDA backend: MiB of pinned host memory that Decode requests are received into (their "
           "q and k/v copied once on the RPC thread) and answered from, so that a batch of one or "
           "two requests is copied to and from the GPU without host packing; 0: none");
-ABSL_FLAG(bool, cuda_kernel_writes_outputs, true,
-          "CUDA backend: a batch of one request received into the host ring gets its outputs "
-          "written by the kernel straight into the request's pinned block; false: copied back "
-          "after the kernel");
-ABSL_FLAG(bool, cuda_plan_thread, true,
-          "CUDA backend: plan each batch's decode on a helper thread (spinning like the copy "
-          "threads) while the executor issues the batch's row copies and packs its tables; "
-          "false: the executor plans in line");
-ABSL_FLAG(bool, cuda_kernel_appends, true,
-          "CUDA backend: a batch of decode steps on distinct sequences has its new tokens "
-          "written into the pool by the decode kernel itself, each just before it reads the "
-          "token's page (no scatter launch); false: always a scatter kernel before the attention");
-ABSL_FLAG(bool, cuda_stream_per_slot, true,
-          "CUDA backend: each in-flight batch on its own stream, so that its input and output "
-          "copies overlap the neighbouring batches' kernels (their work on the pool stays in "
-          "order); false: one stream for all");
 ABSL_FLAG(int64_t, idle_spin_us, -1,
           "Microseconds the engine's executor and completion threads spin for new work before "
           "they sleep (a core each while they spin; saves a thread wake-up per request); -1: "
@@ -128,11 +112,8 @@ CudaBackend::Options CudaOptionsFromFlags() {
   options.max_in_flight = absl::GetFlag(FLAGS_cuda_max_in_flight);
   options.spin_wait_us = absl::GetFlag(FLAGS_cuda_spin_wait_us);
   options.copy_threads = absl::GetFlag(FLAGS_cuda_copy_threads);
-  options.stream_per_slot = absl::GetFlag(FLAGS_cuda_stream_per_slot);
   options.host_ring_bytes = absl::GetFlag(FLAGS_cuda_host_ring_mib) * (int64_t{1} << 20);
-  options.kernel_writes_outputs = absl::GetFlag(FLAGS_cuda_kernel_writes_outputs);
-  options.plan_on_helper = absl::GetFlag(FLAGS_cuda_plan_thread);
-  options.kernel_appends = absl::GetFlag(FLAGS_cuda_kernel_appends);
+  // options.tuning keeps its defaults: the measured-best launch choices.
   return options;
 }
 #endif

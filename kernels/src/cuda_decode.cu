@@ -94,20 +94,47 @@ struct CudaDecoder::Impl {
   }
 };
 
-bool CudaDecodeDeviceAvailable() {
+KernelStatus CheckCudaDecodeDevice(int32_t device) {
   int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count == 0) {
     cudaGetLastError();
-    return false;
+    return KernelStatus::Error(
+        KernelCode::kUnavailable,
+        e != cudaSuccess ? std::string("no CUDA device: ") + cudaGetErrorString(e)
+                         : std::string("no CUDA device"));
   }
-  for (int d = 0; d < count; ++d) {
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) == cudaSuccess &&
-        major == 9) {
-      return true;
-    }
+  if (device < 0 || device >= count) {
+    return Invalid("CUDA device " + std::to_string(device) + " does not exist (" +
+                   std::to_string(count) + " present)");
   }
-  return false;
+  int major = 0, minor = 0;
+  PA_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+                          "cudaDeviceGetAttribute");
+  PA_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
+                          "cudaDeviceGetAttribute");
+  if (major != 9) {
+    return KernelStatus::Error(
+        KernelCode::kFailedPrecondition,
+        "CUDA device " + std::to_string(device) + " has compute capability " +
+            std::to_string(major) + "." + std::to_string(minor) +
+            "; the decode kernel is built for 9.0 (Hopper, sm_90a)");
+  }
+  return KernelStatus::Ok();
+}
+
+int32_t CudaDecodeDeviceCount() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  int32_t usable = 0;
+  for (int32_t d = 0; d < count; ++d) {
+    if (CheckCudaDecodeDevice(d).ok()) ++usable;
+  }
+  cudaGetLastError();
+  return usable;
 }
 
 CudaDecoder::CudaDecoder(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -146,32 +173,23 @@ KernelStatus CudaDecoder::Create(const Options& options, std::unique_ptr<CudaDec
       (options.tuning.item_cost_pages > 0 && options.tuning.parts_per_cta > 1)) {
     return Invalid("CudaDecoder::Create: item_cost_pages must be >= 0, and 0 with parts_per_cta > 1");
   }
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+  int device = options.device;
+  if (device < 0 && cudaGetDevice(&device) != cudaSuccess) {
     cudaGetLastError();
-    return KernelStatus::Error(KernelCode::kUnavailable, "no CUDA device");
+    device = 0;
   }
+  if (KernelStatus s = CheckCudaDecodeDevice(device); !s.ok()) return s;
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  if (options.device >= 0) {
-    if (options.device >= count) return Invalid("CudaDecoder::Create: no such device");
-    PA_RETURN_IF_CUDA_ERROR(cudaSetDevice(options.device), "cudaSetDevice");
-  }
-  PA_RETURN_IF_CUDA_ERROR(cudaGetDevice(&impl->device), "cudaGetDevice");
-  int major = 0, sms = 0, smem_optin = 0;
-  PA_RETURN_IF_CUDA_ERROR(
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, impl->device),
-      "cudaDeviceGetAttribute");
+  impl->device = device;
+  if (options.device >= 0) PA_RETURN_IF_CUDA_ERROR(cudaSetDevice(device), "cudaSetDevice");
+  int sms = 0, smem_optin = 0;
   PA_RETURN_IF_CUDA_ERROR(
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, impl->device),
       "cudaDeviceGetAttribute");
   PA_RETURN_IF_CUDA_ERROR(
       cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, impl->device),
       "cudaDeviceGetAttribute");
-  if (major != 9) {
-    return KernelStatus::Error(KernelCode::kFailedPrecondition,
-                               "the decode kernel is built for compute capability 9.0 (sm_90a)");
-  }
   if (static_cast<size_t>(smem_optin) < detail::kSmemBytes) {
     return KernelStatus::Error(KernelCode::kFailedPrecondition,
                                "device offers too little shared memory per block");

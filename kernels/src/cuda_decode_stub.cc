@@ -12,7 +12,8 @@ KernelStatus NoCuda() {
 }
 }  // namespace
 
-bool CudaDecodeDeviceAvailable() { return false; }
+KernelStatus CheckCudaDecodeDevice(int32_t) { return NoCuda(); }
+int32_t CudaDecodeDeviceCount() { return 0; }
 CudaDecoder::CudaDecoder(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaDecoder::~CudaDecoder() = default;
 KernelStatus CudaDecoder::Create(const Options&, std::unique_ptr<CudaDecoder>*) { return NoCuda(); }

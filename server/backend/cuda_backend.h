@@ -8,7 +8,9 @@
 //     and the decoder's plan tables of one round), an output buffer (pinned host + device,
 //     output rows then lse rows), six events and (stream_per_slot) a stream;
 //   - once: a pinned HostRing (Options::host_ring_bytes) that TakeHostBlock hands out.
-// A Launch enqueues, on its slot's stream (Options::stream_per_slot; else on one stream for all):
+// A Launch first decides everything about the batch on the host (PlanLaunch, cuda_launch_plan.h:
+// rounds, direct or packed rows, appends or scatter, the outputs' way back), then walks that
+// plan and enqueues, on its slot's stream (Tuning::stream_per_slot; else on one stream for all):
 // the input copies, a wait for the previous batch's pool work (an event, skipped when that work
 // is done), the page-copy kernel, the scatter kernel, the decoder's Run between two timing
 // events (the second is also the pool-done event), the outputs' way back, and the slot's done
@@ -48,40 +50,46 @@
 
 namespace pagedattn {
 
-// Devices the CUDA backend can run on (compute capability 9.0); 0 without a driver or device.
+// Devices the CUDA backend can run on: kernels::CudaDecodeDeviceCount().
 int CudaDeviceCount();
 
 class CudaBackend final : public Backend {
  public:
-  struct Options {
-    int32_t device = 0;             // CUDA device ordinal
-    int32_t max_in_flight = 2;      // batches launched and not yet waited, 1..4
-    int64_t staged_tokens = 8192;   // token writes staged per round (raised to max_batch_size)
-    int32_t num_ctas = 0;           // decoder thread blocks; 0: one per SM
-    int64_t spin_wait_us = 2000;    // Wait spins this long on the done event, then sleeps
-    int64_t wait_timeout_ms = 60000;  // a batch not done by then fails the backend
-    int32_t copy_threads = 4;       // host threads packing inputs and outputs, caller included
-    // Each in-flight slot on its own stream: a batch's input copy overlaps the previous batch's
-    // kernels and its output copy the next batch's; false: one stream for all.
-    bool stream_per_slot = true;
-    // Pinned host memory for the Decodes' tensors (TakeHostBlock, host_ring.h); 0: none, every
-    // batch is packed by the host. A batch whose rows all lie in it in at most kMaxDirectRuns
-    // runs (a batch of one or two requests) is copied from there straight to the device, and
-    // its outputs straight back; others are packed and unpacked as before.
-    int64_t host_ring_bytes = int64_t{128} << 20;
-    // A batch whose outputs are one run of a host block (a batch of one request): the kernel
-    // writes them there itself (mapped pinned memory), so no copy back follows it. false: they
-    // are copied back from the device like any other direct batch's.
-    bool kernel_writes_outputs = true;
+  // Launch choices whose A/B comparisons are settled: the defaults are the measured-faster
+  // ways on the H200. Tests and benchmarks set the others to compare or to cover both paths;
+  // the server leaves them alone.
+  struct Tuning {
     // The decoder's plan of a batch made on a helper thread (helper_thread.h) while the
     // launching thread issues the batch's row copies and packs its tables; false: in line.
     // The helper spins spin_wait_us after each plan, like the copy threads.
     bool plan_on_helper = true;
-    // A round of decode steps (KernelAppendRows, cuda_staging.h) has its new tokens written into
-    // the pool by the decode kernel, each just before it reads the token's page, instead of by a
-    // scatter kernel launched before it: one launch fewer before the attention. false: always
-    // the scatter.
+    // A round of decode steps (KernelAppendRows, cuda_staging.h) has its new tokens written
+    // into the pool by the decode kernel, each just before it reads the token's page, instead
+    // of by a scatter kernel launched before it: one launch fewer before the attention.
+    // false: always the scatter.
     bool kernel_appends = true;
+    // Each in-flight slot on its own stream: a batch's input copy overlaps the previous
+    // batch's kernels and its output copy the next batch's; false: one stream for all.
+    bool stream_per_slot = true;
+    // A batch whose outputs are one run of a host block (a batch of one request): the kernel
+    // writes them there itself (mapped pinned memory), so no copy back follows it. false:
+    // they are copied back from the device like any other direct batch's.
+    bool kernel_writes_outputs = true;
+    int32_t num_ctas = 0;  // decoder thread blocks; 0: one per SM
+  };
+  struct Options {
+    int32_t device = 0;             // CUDA device ordinal
+    int32_t max_in_flight = 2;      // batches launched and not yet waited, 1..4
+    int64_t staged_tokens = 8192;   // token writes staged per round (raised to max_batch_size)
+    int64_t spin_wait_us = 2000;    // Wait spins this long on the done event, then sleeps
+    int64_t wait_timeout_ms = 60000;  // a batch not done by then fails the backend
+    int32_t copy_threads = 4;       // host threads packing inputs and outputs, caller included
+    // Pinned host memory for the Decodes' tensors (TakeHostBlock, host_ring.h); 0: none, every
+    // batch is packed by the host. A batch whose rows all lie in it in at most kMaxDirectRuns
+    // runs (a batch of one or two requests) is copied from there straight to the device, and
+    // its outputs straight back; others are packed and unpacked.
+    int64_t host_ring_bytes = int64_t{128} << 20;
+    Tuning tuning = {};
   };
   // Most copies in one direction for which a batch skips the host packing: a copy costs a few
   // microseconds to issue, packing 64 rows of 6 KiB a few tens.

@@ -160,11 +160,13 @@ void AddRun(const void* host, int64_t offset, int64_t bytes, std::vector<DeviceR
   runs->push_back(DeviceRun{h, offset, bytes});
 }
 
-void RowRuns(const BackendBatch& batch, int32_t seq_begin, int32_t ns, int64_t count,
-             TokenCursor cursor, const RoundLayout& l, std::vector<DeviceRun>* runs) {
+bool RowRuns(const BackendBatch& batch, int32_t seq_begin, int32_t ns, int64_t count,
+             TokenCursor cursor, const RoundLayout& l, std::vector<DeviceRun>* runs,
+             size_t max_runs) {
   runs->clear();
   for (int32_t s = 0; s < ns; ++s) {
     AddRun(batch.q[seq_begin + s], l.q + int64_t{s} * k::kQueryBytes, k::kQueryBytes, runs);
+    if (runs->size() > max_runs) return false;
   }
   // K rows of all `count` tokens, then their V rows: two walks from the same cursor.
   for (const bool k_side : {true, false}) {
@@ -176,6 +178,7 @@ void RowRuns(const BackendBatch& batch, int32_t seq_begin, int32_t ns, int64_t c
       const int64_t n = std::min<int64_t>(count - done, w.num_tokens - c.offset);
       const uint16_t* src = (k_side ? w.k : w.v) + int64_t{c.offset} * k::kTokenElems;
       AddRun(src, base + done * kRowBytes, n * kRowBytes, runs);
+      if (runs->size() > max_runs) return false;
       done += n;
       c.offset += static_cast<int32_t>(n);
       if (c.offset == w.num_tokens) {
@@ -184,13 +187,21 @@ void RowRuns(const BackendBatch& batch, int32_t seq_begin, int32_t ns, int64_t c
       }
     }
   }
+  return true;
 }
 
-void OutputRuns(const BackendBatch& batch, std::vector<DeviceRun>* runs) {
+bool OutputRuns(const BackendBatch& batch, std::vector<DeviceRun>* runs, size_t max_runs) {
   runs->clear();
   const int32_t b = batch.plan.batch_size();
-  for (int32_t i = 0; i < b; ++i) AddRun(batch.output[i], int64_t{i} * k::kQueryBytes, k::kQueryBytes, runs);
-  for (int32_t i = 0; i < b; ++i) AddRun(batch.lse[i], LseOffset(b) + i * k::kLseBytes, k::kLseBytes, runs);
+  for (int32_t i = 0; i < b; ++i) {
+    AddRun(batch.output[i], int64_t{i} * k::kQueryBytes, k::kQueryBytes, runs);
+    if (runs->size() > max_runs) return false;
+  }
+  for (int32_t i = 0; i < b; ++i) {
+    AddRun(batch.lse[i], LseOffset(b) + i * k::kLseBytes, k::kLseBytes, runs);
+    if (runs->size() > max_runs) return false;
+  }
+  return true;
 }
 
 int64_t PagesThatFit(int64_t budget_bytes, int64_t fixed_bytes, int64_t bytes_per_page,

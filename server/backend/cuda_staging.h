@@ -12,6 +12,7 @@
 // sequences that share pages are decoded together, see StagingCapacity).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -125,13 +126,17 @@ void AddRun(const void* host, int64_t offset, int64_t bytes, std::vector<DeviceR
 
 // The runs of a round's rows in the arena (layout l): q rows of sequences [seq_begin,
 // seq_begin + ns) of batch.q, then the K rows and the V rows of the next `count` written tokens
-// from `cursor` (which is not advanced). `runs` is cleared first.
-void RowRuns(const BackendBatch& batch, int32_t seq_begin, int32_t ns, int64_t count,
-             TokenCursor cursor, const RoundLayout& l, std::vector<DeviceRun>* runs);
+// from `cursor` (which is not advanced). `runs` is cleared first. Stops and returns false as
+// soon as there are more than max_runs runs (then `runs` holds only the first ones); true when
+// every run is in.
+bool RowRuns(const BackendBatch& batch, int32_t seq_begin, int32_t ns, int64_t count,
+             TokenCursor cursor, const RoundLayout& l, std::vector<DeviceRun>* runs,
+             size_t max_runs = SIZE_MAX);
 
 // The runs of a batch's outputs in the output buffer: output rows to batch.output, then lse rows
-// to batch.lse (see OutputBytes). `runs` is cleared first.
-void OutputRuns(const BackendBatch& batch, std::vector<DeviceRun>* runs);
+// to batch.lse (see OutputBytes). `runs` is cleared first. max_runs and the result as RowRuns'.
+bool OutputRuns(const BackendBatch& batch, std::vector<DeviceRun>* runs,
+                size_t max_runs = SIZE_MAX);
 
 // Pages per layer that fit in budget_bytes: each page costs bytes_per_page (K and V of every
 // layer, and whatever staging grows with the pool), after fixed_bytes; clamped so that

@@ -11,9 +11,9 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <ostream>
 #include <random>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -348,7 +348,7 @@ TEST_F(CudaBackendTest, BatchesInFlightRunInLaunchOrder) {
     SCOPED_TRACE(stream_per_slot ? "stream per slot" : "one stream");
     CudaBackend::Options options;
     options.max_in_flight = 3;
-    options.stream_per_slot = stream_per_slot;
+    options.tuning.stream_per_slot = stream_per_slot;
     SetUpBackends({.num_layers = 1, .num_pages = 16, .max_batch_size = 4}, options);
     RunBatchesInFlight();
   }
@@ -552,20 +552,32 @@ void ExpectSameDecode(const DecodeOutput& cpu, const DecodeOutput& gpu, int32_t 
   ExpectSameOutputs(co.data(), cl.data(), go.data(), gl.data(), b, what);
 }
 
-// The parameters: the CUDA backend's host ring (host_ring_bytes) and kernel_writes_outputs.
-// No ring: every batch packed by the host. The default ring: a batch of one request has its
-// rows copied straight from its block and its outputs written there by the kernel (or copied
-// back, without kernel_writes_outputs), a batch of two requests is copied both ways, a larger
-// one (over kMaxDirectRuns copies) packed from the blocks. 64 KiB: room for two attend-only
-// Decodes of 2 sequences and none of the 5-sequence steps: batches mix blocks and request memory.
-class CudaEngineTest : public ::testing::TestWithParam<std::tuple<int64_t, bool>> {};
+// The parameters: the CUDA backend's host ring (host_ring_bytes) and its tuning. No ring:
+// every batch packed by the host. The default ring: a batch of one request has its rows copied
+// straight from its block and its outputs written there by the kernel (or copied back, without
+// kernel_writes_outputs), a batch of two requests is copied both ways, a larger one (over
+// kMaxDirectRuns copies) packed from the blocks. 64 KiB: room for two attend-only Decodes of 2
+// sequences and none of the 5-sequence steps: batches mix blocks and request memory. The
+// tuning's other choices off: the plan in line, the scatter for every write, one stream.
+struct EngineCase {
+  const char* name;
+  int64_t ring_bytes;
+  CudaBackend::Tuning tuning;
+};
+void PrintTo(const EngineCase& c, std::ostream* os) { *os << c.name; }
+class CudaEngineTest : public ::testing::TestWithParam<EngineCase> {};
 
 constexpr int64_t kDefaultRing = CudaBackend::Options{}.host_ring_bytes;
-INSTANTIATE_TEST_SUITE_P(HostRing, CudaEngineTest,
-                         ::testing::Values(std::make_tuple(int64_t{0}, true),
-                                           std::make_tuple(kDefaultRing, true),
-                                           std::make_tuple(kDefaultRing, false),
-                                           std::make_tuple(int64_t{64} << 10, true)));
+INSTANTIATE_TEST_SUITE_P(
+    Launch, CudaEngineTest,
+    ::testing::Values(EngineCase{"NoRing", 0, {}}, EngineCase{"Ring", kDefaultRing, {}},
+                      EngineCase{"RingOutputsCopiedBack", kDefaultRing,
+                                 {.kernel_writes_outputs = false}},
+                      EngineCase{"SmallRing", int64_t{64} << 10, {}},
+                      EngineCase{"RingPlanInLineScatterOneStream", kDefaultRing,
+                                 {.plan_on_helper = false, .kernel_appends = false,
+                                  .stream_per_slot = false}}),
+    [](const ::testing::TestParamInfo<EngineCase>& info) { return std::string(info.param.name); });
 
 TEST_P(CudaEngineTest, TheEngineGivesTheSameResultsOnBothBackends) {
   SKIP_WITHOUT_DEVICE();
@@ -574,8 +586,8 @@ TEST_P(CudaEngineTest, TheEngineGivesTheSameResultsOnBothBackends) {
   auto cpu_backend = CpuBackend::Create({.num_threads = 2});
   ASSERT_TRUE(cpu_backend.ok());
   auto gpu_backend = CudaBackend::Create({.staged_tokens = 100,
-                                          .host_ring_bytes = std::get<0>(GetParam()),
-                                          .kernel_writes_outputs = std::get<1>(GetParam())});
+                                          .host_ring_bytes = GetParam().ring_bytes,
+                                          .tuning = GetParam().tuning});
   ASSERT_TRUE(gpu_backend.ok());
   auto cpu = Engine::Create(options, *std::move(cpu_backend), nullptr);
   ASSERT_TRUE(cpu.ok()) << cpu.status();
@@ -647,7 +659,7 @@ TEST_P(CudaEngineTest, TheEngineGivesTheSameResultsOnBothBackends) {
   EXPECT_GT(engines[1]->GetStats().batches, 0);
   // Where the 46 Decodes' tensors went: all into the ring, none, or some.
   const std::string text = prometheus::TextSerializer().Serialize(metrics.registry()->Collect());
-  const int64_t ring = std::get<0>(GetParam());
+  const int64_t ring = GetParam().ring_bytes;
   const std::string all_in_blocks = "pagedattn_decode_receive_total{into=\"host_block\"} 46";
   const std::string none_in_blocks = "pagedattn_decode_receive_total{into=\"host_block\"} 0";
   if (ring == 0) {

@@ -97,9 +97,15 @@ struct CudaDecoderOptions {
   CudaDecoderTuning tuning;
 };
 
-// True when the CUDA runtime finds at least one device this library can run on (compute
-// capability 9.0). Never fails; false without CUDA.
-bool CudaDecodeDeviceAvailable();
+// Whether device `device` (an ordinal) can run this library's kernels: compute capability 9.0
+// (the kernels are built for sm_90a). Unavailable without a driver or device (or when built
+// without CUDA); InvalidArgument for an ordinal out of range; FailedPrecondition for another
+// compute capability; Internal for another CUDA error. The one place that decides which
+// devices are usable: CudaDecoder::Create and the callers' device checks use it.
+KernelStatus CheckCudaDecodeDevice(int32_t device);
+// Devices for which CheckCudaDecodeDevice passes; 0 without CUDA. Never fails.
+int32_t CudaDecodeDeviceCount();
+inline bool CudaDecodeDeviceAvailable() { return CudaDecodeDeviceCount() > 0; }
 
 // The newest tokens that a decode writes into their pages itself (CudaDecoder::Run with a plan
 // made with append_rows): device memory, 16-byte aligned.

@@ -1,0 +1,125 @@
+// The CUDA backend's state, shared by its two source files: cuda_backend.cc (creation, memory,
+// waits) and cuda_backend_launch.cc (Launch and Wait). Internal to the backend.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "pagedattn/kernels/cuda_decode.h"
+#include "server/backend/copy_list.h"
+#include "server/backend/cuda_backend.h"
+#include "server/backend/cuda_launch_plan.h"
+#include "server/backend/cuda_staging.h"
+#include "server/backend/helper_thread.h"
+#include "server/backend/host_ring.h"
+#include "server/backend/thread_pool.h"
+
+namespace pagedattn {
+namespace cuda_backend_internal {
+
+inline absl::Status CudaError(absl::string_view what, cudaError_t e) {
+  return absl::InternalError(
+      absl::StrCat(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
+}
+
+// On the request path every failure is INTERNAL, whatever the kernel library calls it.
+inline absl::Status KernelFailure(const kernels::KernelStatus& s) {
+  return s.ok() ? absl::OkStatus() : absl::InternalError(s.message);
+}
+
+#define PA_CUDA_RETURN_IF_ERROR(expr)                                         \
+  do {                                                                        \
+    const cudaError_t pa_cuda_err_ = (expr);                                  \
+    if (pa_cuda_err_ != cudaSuccess) {                                        \
+      return ::pagedattn::cuda_backend_internal::CudaError(#expr, pa_cuda_err_); \
+    }                                                                         \
+  } while (0)
+
+#define PA_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    absl::Status pa_status_ = (expr);        \
+    if (!pa_status_.ok()) return pa_status_; \
+  } while (0)
+
+// One in-flight batch's resources.
+struct Slot {
+  std::unique_ptr<kernels::CudaDecoder> decoder;
+  char* host_in = nullptr;   // pinned [ArenaBytes]: the rounds' inputs
+  char* dev_in = nullptr;    // device [ArenaBytes]
+  char* host_out = nullptr;  // pinned [OutputBytes]: output rows, then lse rows
+  char* dev_out = nullptr;   // device [OutputBytes]
+  cudaEvent_t staged = nullptr;  // a round of a multi-round batch is done (host_in free again)
+  cudaEvent_t begin = nullptr;   // before the batch's input copy (device_in_seconds), in one
+                                 // batch of kDeviceInEvery (timed_in)
+  cudaEvent_t start = nullptr;   // around the attention, for kernel_seconds
+  cudaEvent_t stop = nullptr;
+  cudaEvent_t done = nullptr;    // the whole batch, outputs in host_out (device_out_seconds)
+  cudaEvent_t pool_done = nullptr;  // the batch's work on the pool, when it has no attention
+                                    // (else `stop` marks it)
+  cudaStream_t stream = nullptr;    // the slot's own stream, or the backend's shared one
+  BackendBatch* batch = nullptr;    // launched, not yet waited
+  bool timed = false;               // start/stop recorded (the batch has attention)
+  bool timed_in = false;            // begin recorded
+  OutputMode out = OutputMode::kCopyAndUnpack;  // how Wait finds the outputs
+  double plan_seconds = 0.0;  // the decoder's Plan, all rounds
+  double pack_seconds = 0.0;  // host copies into host_in, all rounds of the batch
+};
+
+}  // namespace cuda_backend_internal
+
+struct CudaBackend::Impl {
+  using Slot = cuda_backend_internal::Slot;
+
+  Options options;
+  PoolShape shape;
+  bool init_called = false;
+  bool initialized = false;
+  int64_t pool_pages = 0;
+  StagingCapacity cap;
+  uint16_t* k_pool = nullptr;  // device [pool_pages, 64, 4, 128] bf16
+  uint16_t* v_pool = nullptr;
+  cudaStream_t shared_stream = nullptr;  // every slot's, without stream_per_slot
+  std::vector<Slot> slots;
+  // The pool-done event of the batch launched last: the next batch's pool work waits for it.
+  cudaEvent_t last_pool_done = nullptr;
+  int32_t next_launch = 0;
+  int32_t next_wait = 0;
+  int32_t in_flight = 0;
+  absl::Status failed;     // sticky: the first CUDA error
+  bool abandoned = false;  // a wait timed out: the device may never finish, so never block on it
+  std::unique_ptr<ThreadPool> copier;     // runs `copies`
+  std::unique_ptr<HelperThread> planner;  // plans beside Launch; null: plans in line
+  CopyList copies;                        // scratch of Launch and Wait: one round's host copies
+  char* ring_memory = nullptr;            // pinned [host_ring_bytes]
+  char* ring_device = nullptr;            // ring_memory as the device addresses it
+  std::unique_ptr<HostRing> ring;         // over ring_memory; null without
+  LaunchPlanOptions plan_options;         // from options and the ring, set by Allocate
+  LaunchPlan launch_plan;                 // scratch of Launch: the batch's plan
+  int64_t launches = 0;                   // batches enqueued (which of them record `begin`)
+
+  ~Impl();
+  absl::Status Fail(absl::Status s) {
+    if (failed.ok()) failed = std::move(s);
+    return failed;
+  }
+  absl::Status Allocate();
+  absl::Status WaitEvent(cudaEvent_t event, absl::string_view what);
+  // Enqueues the batch as launch_plan says. *refused: the batch's page ids failed their check
+  // (ValidatePoolPages, made once its first round's row copies are issued); nothing else was
+  // enqueued, and those copies are done.
+  absl::Status Enqueue(Slot& slot, const BackendBatch& batch, absl::Status* refused);
+  // One round's inputs: the decoder's plan into the arena, the row copies or packing, the
+  // table copy; for the first round also the page-id check (see Enqueue).
+  absl::Status StageRound(Slot& slot, const BackendBatch& batch, size_t i, absl::Status* refused);
+  // One round's kernels: page copies, scatter, attention.
+  absl::Status LaunchRound(Slot& slot, const BackendBatch& batch, size_t i);
+};
+
+}  // namespace pagedattn

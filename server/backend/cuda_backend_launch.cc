@@ -1,0 +1,347 @@
+// CudaBackend's Launch and Wait: walks a batch's LaunchPlan (cuda_launch_plan.h) and issues its
+// host packing, decoder plans, copies, events and kernel launches.
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "pagedattn/kernels/cuda_decode.h"
+#include "pagedattn/kernels/decode.h"
+#include "pagedattn/kernels/kv_write.h"
+#include "server/backend/cuda_backend.h"
+#include "server/backend/cuda_backend_impl.h"
+#include "server/backend/cuda_launch_plan.h"
+#include "server/backend/cuda_staging.h"
+
+namespace pagedattn {
+
+namespace k = kernels;
+using cuda_backend_internal::CudaError;
+using cuda_backend_internal::KernelFailure;
+using cuda_backend_internal::Slot;
+
+namespace {
+
+// One batch in this many records the begin event (the device_in stage): the event is a call
+// before the batch's row copies, which start the device's chain up to the attention.
+constexpr int64_t kDeviceInEvery = 8;
+
+// A round's plan, run on the helper (or in line without one) and joined before the round's
+// tables are copied, or on any way out of the round: the task refers to the round's locals.
+class PlanOnHelper {
+ public:
+  explicit PlanOnHelper(HelperThread* helper) : helper_(helper) {}
+  PlanOnHelper(const PlanOnHelper&) = delete;
+  PlanOnHelper& operator=(const PlanOnHelper&) = delete;
+  ~PlanOnHelper() { Join(); }
+  template <typename Task>
+  void Post(const Task& task) {
+    if (helper_ == nullptr) {
+      task();
+      return;
+    }
+    helper_->Post(task);
+    posted_ = true;
+  }
+  void Join() {
+    if (posted_) helper_->Join();
+    posted_ = false;
+  }
+
+ private:
+  HelperThread* const helper_;
+  bool posted_ = false;
+};
+
+double SecondsSince(std::chrono::steady_clock::time_point begin) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+}
+
+}  // namespace
+
+absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch,
+                                        absl::Status* refused) {
+  const cudaStream_t stream = slot.stream;  // everything of this batch goes on its slot's stream
+  const LaunchPlan& lp = launch_plan;
+  slot.timed = false;
+  slot.pack_seconds = 0.0;
+  slot.plan_seconds = 0.0;
+  // The begin event (the device_in stage) costs a call before the row copies: one batch in
+  // kDeviceInEvery records it.
+  slot.timed_in = launches++ % kDeviceInEvery == 0;
+  for (size_t i = 0; i < lp.rounds.size(); ++i) {
+    if (i > 0) PA_RETURN_IF_ERROR(WaitEvent(slot.staged, "waiting for a staging round"));
+    PA_RETURN_IF_ERROR(StageRound(slot, batch, i, refused));
+    if (!refused->ok()) return absl::OkStatus();
+    PA_RETURN_IF_ERROR(LaunchRound(slot, batch, i));
+    // The next round reuses the arena and re-plans the decoder: it waits for this whole round
+    // (with a timeout, so the decoder's own wait for its previous table copy never blocks).
+    if (i + 1 < lp.rounds.size()) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.staged, stream));
+  }
+  // The end of the attention is the end of the batch's pool work: one event serves as both.
+  if (slot.timed) {
+    PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.stop, stream));
+    last_pool_done = slot.stop;
+  } else {
+    PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.pool_done, stream));
+    last_pool_done = slot.pool_done;
+  }
+  if (slot.timed && slot.out == OutputMode::kCopyToBlocks) {
+    for (const DeviceRun& run : lp.out_runs) {
+      PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(run.host, slot.dev_out + run.offset, run.bytes,
+                                              cudaMemcpyDeviceToHost, stream));
+    }
+  } else if (slot.timed && slot.out == OutputMode::kCopyAndUnpack) {
+    PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.host_out, slot.dev_out,
+                                            OutputBytes(batch.plan.batch_size()),
+                                            cudaMemcpyDeviceToHost, stream));
+  }
+  PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.done, stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Impl::StageRound(Slot& slot, const BackendBatch& batch, size_t i,
+                                           absl::Status* refused) {
+  const cudaStream_t stream = slot.stream;
+  const LaunchPlan& lp = launch_plan;
+  const RoundPlan& rp = lp.rounds[i];
+  const Round& r = rp.round;
+  const RoundLayout& l = rp.layout;
+  const int32_t ns = r.num_sequences();
+  char* const h = slot.host_in;
+  char* const dev = slot.dev_in;
+  // The decoder plans into the arena (its tables travel in the arena's copy; the slot's decoder
+  // and arena are free: the previous batch was waited, or the previous round waited for), on
+  // the helper while this thread issues the row copies and packs the tables.
+  absl::Status planned;
+  size_t used = 0;
+  const auto plan_task = [&] {
+    const auto plan_begin = std::chrono::steady_clock::now();
+    planned = KernelFailure(slot.decoder->PlanInto(
+        lp.RoundIndptr(rp, batch), batch.plan.kv_last_page_len.data() + r.seq_begin, ns, h + l.plan,
+        dev + l.plan, &used, lp.RoundAppendRows(rp)));
+    slot.plan_seconds += SecondsSince(plan_begin);
+  };
+  PlanOnHelper plan_join(planner.get());
+  if (ns > 0) plan_join.Post(plan_task);
+  // Rows straight from the requests' host blocks go first, so that they run while the host
+  // plans and packs the tables.
+  if (rp.direct_rows) {
+    if (i == 0 && slot.timed_in) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.begin, stream));
+    for (int32_t run_index = rp.runs_begin; run_index < rp.runs_end; ++run_index) {
+      const DeviceRun& run = lp.row_runs[run_index];
+      PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev + run.offset, run.host, run.bytes,
+                                              cudaMemcpyHostToDevice, stream));
+    }
+  }
+  if (i == 0) {
+    // With the row copies on their way (they only fill this slot's arena): the page ids'
+    // check, which must pass before any kernel touches the pool.
+    if (absl::Status s = ValidatePoolPages(batch, shape); !s.ok()) {
+      // The copies read the batch's blocks: wait for them (with the timeout) before the engine
+      // frees those.
+      plan_join.Join();
+      PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.staged, stream));
+      PA_RETURN_IF_ERROR(WaitEvent(slot.staged, "waiting for a refused batch's copies"));
+      *refused = std::move(s);
+      return absl::OkStatus();
+    }
+    slot.out = lp.output;
+  }
+  const auto pack_begin = std::chrono::steady_clock::now();
+  copies.Clear();
+  if (!rp.direct_rows) {
+    for (int32_t s = 0; s < ns; ++s) {
+      copies.Add(h + l.q + s * k::kQueryBytes, batch.q[r.seq_begin + s], k::kQueryBytes);
+    }
+  }
+  if (rp.kv_indices > 0) {
+    copies.Add(h + l.indices, batch.plan.kv_indices.data() + rp.kv_begin,
+               rp.kv_indices * sizeof(int32_t));
+  }
+  if (r.num_copies() > 0) {
+    copies.Add(h + l.copies, batch.page_copies.data() + r.copy_begin,
+               r.num_copies() * sizeof(PageCopy));
+  }
+  if (r.num_tokens() > 0) {
+    // A round whose tokens the kernel writes needs no slots (the plan has the places).
+    TokenCursor cursor = rp.cursor;
+    PackTokens(batch, r.num_tokens(), &cursor,
+               rp.kernel_appends ? nullptr : reinterpret_cast<int64_t*>(h + l.slots),
+               rp.direct_rows ? nullptr : reinterpret_cast<uint16_t*>(h + l.k_rows),
+               rp.direct_rows ? nullptr : reinterpret_cast<uint16_t*>(h + l.v_rows), &copies);
+  }
+  // Non-temporal stores: the arena's next reader is the copy to the device below.
+  copies.Run(copier.get(), CopyList::kDefaultParallelBytes, CopyList::Reader::kDevice);
+  slot.pack_seconds += SecondsSince(pack_begin);
+  plan_join.Join();
+  PA_RETURN_IF_ERROR(planned);
+  const int64_t end = l.plan + static_cast<int64_t>(used);  // the arena's copy: to the plan's end
+  if (rp.direct_rows) {
+    if (end > l.indices) {
+      PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev + l.indices, h + l.indices, end - l.indices,
+                                              cudaMemcpyHostToDevice, stream));
+    }
+  } else {
+    if (i == 0 && slot.timed_in) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.begin, stream));
+    PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, h, end, cudaMemcpyHostToDevice, stream));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Impl::LaunchRound(Slot& slot, const BackendBatch& batch, size_t i) {
+  const cudaStream_t stream = slot.stream;
+  const RoundPlan& rp = launch_plan.rounds[i];
+  const Round& r = rp.round;
+  char* const dev = slot.dev_in;
+  const RoundLayout& l = rp.layout;
+  // The pool work of consecutive batches in launch order: this batch's copies may run while
+  // the previous batch's kernels do, its pool work not. (No wait when the previous batch was
+  // waited already, or its pool work has ended.)
+  if (i == 0 && last_pool_done != nullptr) {
+    const cudaError_t q = cudaEventQuery(last_pool_done);
+    if (q == cudaErrorNotReady) {
+      PA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, last_pool_done, 0));
+    } else if (q != cudaSuccess) {
+      return CudaError("cudaEventQuery (previous batch)", q);
+    }
+  }
+  if (r.num_copies() > 0) {
+    k::PageCopyArgs a;
+    a.k_cache = k_pool;
+    a.v_cache = v_pool;
+    a.copies = reinterpret_cast<const int32_t*>(dev + l.copies);
+    a.num_copies = static_cast<int32_t>(r.num_copies());
+    a.num_layers = shape.num_layers;
+    a.layer_pages = shape.num_pages;
+    PA_RETURN_IF_ERROR(KernelFailure(k::LaunchPageCopies(a, stream)));
+  }
+  if (rp.scatter()) {
+    k::TokenScatterArgs a;
+    a.k_cache = k_pool;
+    a.v_cache = v_pool;
+    a.slots = reinterpret_cast<const int64_t*>(dev + l.slots);
+    a.k_rows = reinterpret_cast<const uint16_t*>(dev + l.k_rows);
+    a.v_rows = reinterpret_cast<const uint16_t*>(dev + l.v_rows);
+    a.num_tokens = r.num_tokens();
+    PA_RETURN_IF_ERROR(KernelFailure(k::LaunchTokenScatter(a, stream)));
+  }
+  if (r.num_sequences() > 0) {
+    if (!slot.timed) {
+      PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.start, stream));
+      slot.timed = true;
+    }
+    // The outputs go into the slot's device buffer, or, when the kernel writes them, straight
+    // into the batch's host block as the device addresses it.
+    char* const out_base = slot.out == OutputMode::kKernelWrites
+                               ? ring_device + (launch_plan.out_runs[0].host - ring_memory)
+                               : slot.dev_out;
+    const int32_t b = batch.plan.batch_size();
+    k::DecodeArgs a;
+    a.q = reinterpret_cast<const uint16_t*>(dev + l.q);
+    a.k_cache = k_pool;
+    a.v_cache = v_pool;
+    a.kv_indices = reinterpret_cast<const int32_t*>(dev + l.indices);
+    a.output = reinterpret_cast<uint16_t*>(out_base) + int64_t{r.seq_begin} * k::kQueryElems;
+    a.lse = reinterpret_cast<float*>(out_base + LseOffset(b)) +
+            int64_t{r.seq_begin} * k::kNumQoHeads;
+    a.batch_size = r.num_sequences();
+    a.num_pages = pool_pages;
+    a.sm_scale = batch.sm_scale;
+    k::NewTokenRows rows;
+    if (rp.kernel_appends) {
+      rows.k = reinterpret_cast<const uint16_t*>(dev + l.k_rows);
+      rows.v = reinterpret_cast<const uint16_t*>(dev + l.v_rows);
+      rows.k_cache = k_pool;
+      rows.v_cache = v_pool;
+    }
+    PA_RETURN_IF_ERROR(KernelFailure(slot.decoder->Run(a, rows, stream)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Launch(BackendBatch* batch) {
+  Impl& d = *impl_;
+  if (!d.failed.ok()) return d.failed;
+  if (!d.initialized) return absl::FailedPreconditionError("backend not initialized");
+  if (d.in_flight == static_cast<int32_t>(d.slots.size())) {
+    return absl::InternalError(
+        absl::StrCat("Launch with ", d.in_flight, " batches in flight (max_in_flight)"));
+  }
+  // The page ids are checked in Enqueue, once the row copies are issued.
+  PA_RETURN_IF_ERROR(ValidateBatchShape(*batch, d.shape));
+  PA_RETURN_IF_ERROR(PlanLaunch(*batch, d.cap, d.plan_options, &d.launch_plan));
+  // From here on a failure may leave work enqueued: the backend is failed for good.
+  if (const cudaError_t e = cudaSetDevice(d.options.device); e != cudaSuccess) {
+    return d.Fail(CudaError("cudaSetDevice", e));
+  }
+  Slot& slot = d.slots[d.next_launch];
+  absl::Status refused;
+  if (absl::Status s = d.Enqueue(slot, *batch, &refused); !s.ok()) return d.Fail(std::move(s));
+  if (!refused.ok()) return refused;
+  slot.batch = batch;
+  d.next_launch = (d.next_launch + 1) % static_cast<int32_t>(d.slots.size());
+  ++d.in_flight;
+  return absl::OkStatus();
+}
+
+bool CudaBackend::Ready(const BackendBatch& batch) {
+  Impl& d = *impl_;
+  if (!d.failed.ok() || d.in_flight == 0) return true;
+  const Slot& slot = d.slots[d.next_wait];
+  if (slot.batch != &batch) return true;
+  return cudaEventQuery(slot.done) != cudaErrorNotReady;
+}
+
+absl::Status CudaBackend::Wait(BackendBatch* batch) {
+  Impl& d = *impl_;
+  if (!d.failed.ok()) return d.failed;
+  if (d.in_flight == 0) return absl::InternalError("Wait without a batch in flight");
+  Slot& slot = d.slots[d.next_wait];
+  if (slot.batch != batch) {
+    return d.Fail(absl::InternalError("Wait out of launch order"));
+  }
+  if (const cudaError_t e = cudaSetDevice(d.options.device); e != cudaSuccess) {
+    return d.Fail(CudaError("cudaSetDevice", e));
+  }
+  if (absl::Status s = d.WaitEvent(slot.done, "waiting for a batch"); !s.ok()) {
+    return d.Fail(std::move(s));
+  }
+  // Its pool work ended before its done event: the next batch need not ask (one call fewer
+  // when batches come apart, as with a single caller).
+  if (d.last_pool_done == slot.stop || d.last_pool_done == slot.pool_done) {
+    d.last_pool_done = nullptr;
+  }
+  batch->kernel_seconds = 0.0;
+  batch->pack_seconds = slot.pack_seconds;
+  batch->plan_seconds = slot.plan_seconds;
+  if (slot.timed) {
+    if (slot.out == OutputMode::kCopyAndUnpack) {
+      const auto unpack_begin = std::chrono::steady_clock::now();
+      const int32_t b = batch->plan.batch_size();
+      d.copies.Clear();
+      for (int32_t i = 0; i < b; ++i) {
+        d.copies.Add(batch->output[i], slot.host_out + i * k::kQueryBytes, k::kQueryBytes);
+        d.copies.Add(batch->lse[i], slot.host_out + LseOffset(b) + i * k::kLseBytes, k::kLseBytes);
+      }
+      d.copies.Run(d.copier.get());
+      batch->unpack_seconds = SecondsSince(unpack_begin);
+    }
+    const std::pair<cudaEvent_t, cudaEvent_t> intervals[] = {
+        {slot.start, slot.stop}, {slot.stop, slot.done}, {slot.begin, slot.start}};
+    double* const seconds[] = {&batch->kernel_seconds, &batch->device_out_seconds,
+                               &batch->device_in_seconds};
+    batch->device_in_seconds = 0.0;
+    for (int i = 0; i < (slot.timed_in ? 3 : 2); ++i) {
+      float ms = 0.0f;
+      const cudaError_t e = cudaEventElapsedTime(&ms, intervals[i].first, intervals[i].second);
+      if (e != cudaSuccess) return d.Fail(CudaError("cudaEventElapsedTime", e));
+      *seconds[i] = ms * 1e-3;
+    }
+  }
+  slot.batch = nullptr;
+  d.next_wait = (d.next_wait + 1) % static_cast<int32_t>(d.slots.size());
+  --d.in_flight;
+  return absl::OkStatus();
+}
+
+}  // namespace pagedattn

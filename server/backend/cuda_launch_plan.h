@@ -1,0 +1,104 @@
+// The CUDA backend's decisions for one batch, made on the host before anything is enqueued:
+// the rounds the batch is staged in and, per round, the arena layout, whether its q, K and V
+// rows are copied straight from the requests' host blocks or packed, whether the decode kernel
+// writes the round's new tokens itself or a scatter kernel does, and the inputs of the
+// decoder's plan; per batch, how the outputs come back. CudaBackend walks a LaunchPlan and only
+// packs, plans the decoder into the arena, and issues copies, events and launches. Pure
+// function of its arguments (no CUDA call), so every decision is unit-tested without a GPU.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "server/backend/backend.h"
+#include "server/backend/cuda_staging.h"
+
+namespace pagedattn {
+
+// How a batch's outputs reach its rows (BackendBatch::output and lse).
+enum class OutputMode {
+  // The decode kernel stores them straight into the batch's one host block in the ring (mapped
+  // pinned memory): no copy back follows the kernel.
+  kKernelWrites,
+  // The kernel writes the device output buffer; one device-to-host copy per output run puts
+  // them into the host blocks.
+  kCopyToBlocks,
+  // One copy of the whole output buffer into pinned staging, which Wait unpacks row by row.
+  kCopyAndUnpack,
+};
+
+struct LaunchPlanOptions {
+  // The pinned host ring the requests' blocks come from ([ring, ring + ring_bytes)); null: none,
+  // every round is packed and the outputs unpacked.
+  const char* ring = nullptr;
+  int64_t ring_bytes = 0;
+  // Most copies in one direction for which a batch skips the host packing.
+  int32_t max_direct_runs = 8;
+  // A round of decode steps (KernelAppendRows) has its new tokens written by the decode kernel;
+  // false: always the scatter kernel.
+  bool kernel_appends = true;
+  // A batch whose outputs are one run in the ring has the kernel write them there
+  // (OutputMode::kKernelWrites); false: they are copied back (kCopyToBlocks).
+  bool kernel_writes_outputs = true;
+};
+
+struct RoundPlan {
+  Round round;
+  RoundLayout layout;
+  int64_t kv_begin = 0;    // the round's first entry of batch.plan.kv_indices
+  int64_t kv_indices = 0;  // its entries (at layout.indices in the arena)
+  TokenCursor cursor;      // at the round's first written token
+  // A round after the batch's first sequence has its kv_indptr rebased to its own first
+  // sequence at LaunchPlan::indptr [indptr_begin, indptr_begin + num_sequences + 1); the
+  // round of the first sequence uses batch.plan.kv_indptr itself (see RoundIndptr).
+  bool rebased_indptr = false;
+  int64_t indptr_begin = 0;
+  // The rows (q, then K, then V) copied host block to arena, LaunchPlan::row_runs
+  // [runs_begin, runs_end); false: packed into the arena with the tables.
+  bool direct_rows = false;
+  int32_t runs_begin = 0, runs_end = 0;
+  // The decode kernel writes the round's tokens: LaunchPlan::append_rows [append_begin,
+  // append_begin + num_sequences) are the decoder's append_rows. Else tokens, when the round
+  // has any, go through the scatter kernel (and their slots through the arena).
+  bool kernel_appends = false;
+  int64_t append_begin = 0;
+
+  bool scatter() const { return round.num_tokens() > 0 && !kernel_appends; }
+};
+
+struct LaunchPlan {
+  std::vector<RoundPlan> rounds;
+  std::vector<int32_t> indptr;       // rebased kv_indptr of the later rounds with sequences
+  std::vector<DeviceRun> row_runs;   // direct rounds' row runs
+  std::vector<int32_t> append_rows;  // kernel-append rounds' rows (KernelAppendRows)
+  bool attention = false;            // the batch has sequences (a decode kernel runs)
+  OutputMode output = OutputMode::kCopyAndUnpack;
+  // kCopyToBlocks: the runs of the outputs in the output buffer (OutputRuns). kKernelWrites:
+  // its one run, whose host address the kernel writes (output rows, then lse rows).
+  std::vector<DeviceRun> out_runs;
+  // Scratch of PlanLaunch.
+  std::vector<Round> split;
+  std::vector<DeviceRun> scratch_runs;
+  std::vector<int32_t> scratch_rows;
+
+  // The decoder's inputs of round r (CudaDecoder::PlanInto): kv_indptr [num_sequences + 1],
+  // from 0; append_rows [num_sequences], or null when the scatter writes the round's tokens.
+  const int32_t* RoundIndptr(const RoundPlan& r, const BackendBatch& batch) const {
+    return r.rebased_indptr ? indptr.data() + r.indptr_begin
+                            : batch.plan.kv_indptr.data() + r.round.seq_begin;
+  }
+  const int32_t* RoundAppendRows(const RoundPlan& r) const {
+    return r.kernel_appends ? append_rows.data() + r.append_begin : nullptr;
+  }
+};
+
+// Plans `batch` for arenas of `capacity` (plan_bytes included). `plan` is overwritten; its
+// vectors keep their capacity, so a plan reused across batches stops allocating once grown.
+// INTERNAL (from SplitRounds) when a sequence or the batch exceeds the capacity; `plan` is then
+// unspecified. The batch's shape is the caller's to check first (ValidateBatchShape); its page
+// ids are not read as indices here.
+absl::Status PlanLaunch(const BackendBatch& batch, const StagingCapacity& capacity,
+                        const LaunchPlanOptions& options, LaunchPlan* plan);
+
+}  // namespace pagedattn
