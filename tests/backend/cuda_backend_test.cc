@@ -29,6 +29,7 @@ namespace pagedattn {
 namespace {
 
 namespace k = kernels;
+using testing::kDefaultScale;
 using testing::RandomBf16;
 
 #define SKIP_WITHOUT_DEVICE() \
@@ -626,6 +627,7 @@ TEST_P(CudaEngineTest, TheEngineGivesTheSameResultsOnBothBackends) {
       DecodeWork w;
       w.layer = layer;
       w.sequence_ids = ids;
+      w.sm_scale = kDefaultScale;  // resolved, as the service edge hands it to the engine
       w.q = testing::ToBytes(RandomBf16(5 * k::kQueryElems, rng));
       w.k = testing::ToBytes(RandomBf16(5 * k::kTokenElems, rng));
       w.v = testing::ToBytes(RandomBf16(5 * k::kTokenElems, rng));
@@ -641,6 +643,7 @@ TEST_P(CudaEngineTest, TheEngineGivesTheSameResultsOnBothBackends) {
   for (int i = 0; i < 40; ++i) {
     DecodeWork w;
     w.layer = i % 2;
+    w.sm_scale = kDefaultScale;
     w.sequence_ids = {static_cast<uint64_t>(1 + i % 5), static_cast<uint64_t>(1 + (i + 2) % 5)};
     w.q = testing::ToBytes(RandomBf16(2 * k::kQueryElems, rng));
     works.push_back(std::move(w));
