@@ -5,6 +5,7 @@
 #   deploy/build-image.sh prometheus   pagedattn-prometheus:local (Debian's prometheus package)
 #   deploy/build-image.sh engine  only make sure an engine answers (install/start it as root)
 #   deploy/build-image.sh base    only make sure the Debian 12 base image exists
+#   deploy/build-image.sh prune   remove dangling images (the build stages of earlier builds)
 #   deploy/build-image.sh engine-stop   stop the engine this script started (if it did)
 # With no engine answering, it installs Debian's docker.io (as root) and starts dockerd in the
 # background, recording its pid in $PAGEDATTN_DOCKERD_PIDFILE (default
@@ -119,6 +120,7 @@ build() {  # build TAG BUILD_BASE RUNTIME_BASE
 case $what in
   engine) ensure_engine ;;
   engine-stop) stop_engine ;;
+  prune) pick_client || die "no Docker engine answers"; "$DOCKER" image prune -f ;;
   base) ensure_engine; ensure_base ;;
   cpu) ensure_engine; ensure_base; build pagedattn:cpu "$cpu_base" "$cpu_base" ;;
   prometheus)
@@ -139,7 +141,7 @@ case $what in
     build pagedattn:cuda "$cuda_build_base" "$cuda_runtime_base"
     ;;
   *)
-    echo "usage: $0 cpu | cuda | prometheus | engine | base | engine-stop" >&2
+    echo "usage: $0 cpu | cuda | prometheus | engine | base | prune | engine-stop" >&2
     exit 2
     ;;
 esac
