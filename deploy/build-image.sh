@@ -25,6 +25,12 @@ pidfile=${PAGEDATTN_DOCKERD_PIDFILE:-/run/pagedattn-dockerd.pid}
 log() { echo "build-image: $*" >&2; }
 die() { log "$*"; exit 1; }
 as_root() { if [[ $(id -u) -eq 0 ]]; then "$@"; else sudo -n "$@"; fi; }
+# apt-get install, refreshing the index only when the first try fails.
+apt_install() {
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >/dev/null && return 0
+  as_root apt-get update -q >/dev/null
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >/dev/null
+}
 
 # The first client that talks to the running engine (a newer client than the engine negotiates
 # down, but only to the API versions it still supports).
@@ -47,9 +53,7 @@ ensure_engine() {
   fi
   if ! command -v dockerd >/dev/null 2>&1; then
     log "installing Debian's docker.io"
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io >/dev/null \
-      || { as_root apt-get update -q >/dev/null;
-           as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io >/dev/null; }
+    apt_install docker.io
   fi
   log "starting dockerd (log: /var/log/pagedattn-dockerd.log)"
   as_root sh -c "dockerd >/var/log/pagedattn-dockerd.log 2>&1 & echo \$! > '$pidfile'"
@@ -92,8 +96,7 @@ ensure_base() {
     die "base image $cpu_base is not present and cannot be pulled"
   fi
   if [[ $(id -u) -ne 0 ]]; then die "making $cpu_base with debootstrap needs root"; fi
-  command -v debootstrap >/dev/null 2>&1 ||
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null
+  command -v debootstrap >/dev/null 2>&1 || { log "installing debootstrap"; apt_install debootstrap; }
   local dir mirror started=$SECONDS
   dir=$(mktemp -d /var/tmp/pagedattn-base.XXXXXX)
   mirror=$(debian_mirror)
