@@ -59,7 +59,13 @@ ensure_engine() {
   as_root sh -c "dockerd >/var/log/pagedattn-dockerd.log 2>&1 & echo \$! > '$pidfile'"
   local i
   for i in $(seq 60); do
-    pick_client && { log "engine up (pid $(cat "$pidfile"), client $DOCKER)"; return 0; }
+    # Once one client answers, pick again: the engine may have come up between two candidates,
+    # and the first in the list is the one wanted.
+    if pick_client; then
+      pick_client
+      log "engine up (pid $(cat "$pidfile"), client $DOCKER)"
+      return 0
+    fi
     sleep 1
   done
   die "dockerd did not answer within 60 s; see /var/log/pagedattn-dockerd.log"
