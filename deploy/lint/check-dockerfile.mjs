@@ -26,7 +26,30 @@ for (const d of validate(text)) {
   problems.push(`line ${d.range.start.line + 1}: ${kind}: ${d.message}`);
 }
 
-const dockerfile = DockerfileParser.parse(text);
+// The base images are build arguments (ARG before the first FROM): the rules below check their
+// defaults, which are what a plain `docker build` uses. Each FROM must name such an argument or a
+// literal image; an ARG without a default in a FROM is a problem.
+const parsed = DockerfileParser.parse(text);
+const globalArgs = new Map();
+const firstFrom = parsed.getFROMs()[0];
+for (const arg of parsed.getInstructions().filter((i) => i.getKeyword() === "ARG")) {
+  if (firstFrom && arg.getRange().start.line > firstFrom.getRange().start.line) continue;
+  const [name, ...rest] = (arg.getArgumentsContent() ?? "").split("=");
+  globalArgs.set(name.trim(), rest.length ? rest.join("=").trim() : undefined);
+}
+const resolved = text.split("\n").map((line) => {
+  if (!/^\s*FROM\s/i.test(line)) return line;
+  return line.replace(/\$\{(\w+)\}|\$(\w+)/g, (whole, braced, bare) => {
+    const name = braced ?? bare;
+    const value = globalArgs.get(name);
+    if (value === undefined) {
+      problems.push(`FROM uses \${${name}}, which has no default in an ARG before the first FROM`);
+      return whole;
+    }
+    return value;
+  });
+}).join("\n");
+const dockerfile = DockerfileParser.parse(resolved);
 const stages = dockerfile.getFROMs();
 const lineOf = (instruction) => instruction.getRange().start.line + 1;
 const args = (instruction) => instruction.getArguments().map((a) => a.getValue());
