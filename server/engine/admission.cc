@@ -41,6 +41,10 @@ void Admission::Append(AppendWork work, Engine::AppendDone done) {
 
 void Admission::ReceiveIntoBlock(WorkItem* item) {
   DecodeWork& w = item->decode;
+  // Only a request that carries all its tensors itself: views stay where the client put them.
+  if (w.q.is_view() || w.k.is_view() || w.v.is_view() || w.output.is_view() || w.lse.is_view()) {
+    return;
+  }
   const DecodeBlockLayout l =
       DecodeBlockLayout::For(static_cast<int64_t>(w.sequence_ids.size()), item->decode_kv);
   HostBlock block = backend_->TakeHostBlock(l.bytes);
@@ -56,9 +60,9 @@ void Admission::ReceiveIntoBlock(WorkItem* item) {
   if (metrics_ != nullptr) {
     metrics_->RecordStage(Metrics::Stage::kReceive, absl::ToDoubleSeconds(absl::Now() - begin));
   }
-  std::string().swap(w.q);
-  std::string().swap(w.k);
-  std::string().swap(w.v);
+  w.q.ReleaseInline();
+  w.k.ReleaseInline();
+  w.v.ReleaseInline();
   item->block = std::move(block);
   item->layout = l;
 }

@@ -60,6 +60,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "server/batch/clock.h"
+#include "server/engine/tensor.h"
 
 namespace pagedattn {
 
@@ -97,8 +98,12 @@ struct DecodeWork {
   uint64_t request_id = 0;
   int32_t layer = 0;
   std::vector<uint64_t> sequence_ids;  // B distinct ids
-  std::string q;                       // bf16 [B, 24, 128]
-  std::string k, v;                    // bf16 [B, 4, 128] each, or both empty (attend only)
+  Tensor q;                            // bf16 [B, 24, 128]
+  Tensor k, v;                         // bf16 [B, 4, 128] each, or both empty (attend only)
+  // Where the results go when the caller registered memory for them (views); empty: returned
+  // in DecodeOutput.
+  Tensor output;                       // bf16 [B, 24, 128]
+  Tensor lse;                          // fp32 [B, 24]
   float sm_scale = 0.0f;               // resolved by the service: never 0
   absl::Time deadline = absl::InfiniteFuture();
   CancelFlag cancelled;                // may be null
@@ -106,8 +111,8 @@ struct DecodeWork {
 
 struct DecodeOutput {
   uint64_t request_id = 0;
-  std::string output;  // bf16 [B, 24, 128]
-  std::string lse;     // fp32 [B, 24], base 2
+  std::string output;  // bf16 [B, 24, 128]; empty when written into DecodeWork::output
+  std::string lse;     // fp32 [B, 24], base 2; empty when written into DecodeWork::lse
 };
 
 // One AppendKV RPC: a step of num_tokens tokens at one layer.
@@ -115,7 +120,7 @@ struct AppendWork {
   uint64_t sequence_id = 0;
   int32_t layer = 0;
   int32_t num_tokens = 0;
-  std::string k, v;  // bf16 [num_tokens, 4, 128] each
+  Tensor k, v;  // bf16 [num_tokens, 4, 128] each
   absl::Time deadline = absl::InfiniteFuture();
   CancelFlag cancelled;
 };

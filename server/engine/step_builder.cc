@@ -87,10 +87,18 @@ absl::Status StepBuilder::AddDecode(SequenceTable& table, BlockAllocator& alloca
     out_bytes = base + item->layout.output;
     lse_bytes = base + item->layout.lse;
   } else {
-    item->output.output.resize(b * k::kQueryBytes);
-    item->output.lse.resize(b * k::kLseBytes);
-    out_bytes = item->output.output.data();
-    lse_bytes = item->output.lse.data();
+    if (w.output.is_view()) {
+      out_bytes = w.output.mutable_data();
+    } else {
+      item->output.output.resize(b * k::kQueryBytes);
+      out_bytes = item->output.output.data();
+    }
+    if (w.lse.is_view()) {
+      lse_bytes = w.lse.mutable_data();
+    } else {
+      item->output.lse.resize(b * k::kLseBytes);
+      lse_bytes = item->output.lse.data();
+    }
   }
   const auto* q = reinterpret_cast<const uint16_t*>(q_bytes);
   const auto* kk = reinterpret_cast<const uint16_t*>(k_bytes);

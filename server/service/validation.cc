@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -125,9 +126,9 @@ absl::StatusOr<DecodeWork> TakeDecodeWork(v1::DecodeRequest* request, const Mode
   absl::StatusOr<float> scale = CheckDecode(*request, config);
   if (!scale.ok()) return scale.status();
   DecodeWork work = DecodeWorkWithoutTensors(*request, *scale);
-  work.q.swap(*request->mutable_q());
-  work.k.swap(*request->mutable_k());
-  work.v.swap(*request->mutable_v());
+  work.q = std::move(*request->mutable_q());
+  work.k = std::move(*request->mutable_k());
+  work.v = std::move(*request->mutable_v());
   return work;
 }
 
@@ -142,8 +143,8 @@ absl::StatusOr<AppendWork> ToAppendWork(const v1::AppendKVRequest& request, cons
 absl::StatusOr<AppendWork> TakeAppendWork(v1::AppendKVRequest* request, const ModelConfig& config) {
   if (absl::Status s = CheckAppend(*request, config); !s.ok()) return s;
   AppendWork work = AppendWorkWithoutTensors(*request);
-  work.k.swap(*request->mutable_k());
-  work.v.swap(*request->mutable_v());
+  work.k = std::move(*request->mutable_k());
+  work.v = std::move(*request->mutable_v());
   return work;
 }
 

@@ -138,7 +138,7 @@ class Model {
     ASSERT_EQ(out.request_id, w.request_id);
     ASSERT_EQ(out.output.size(), static_cast<size_t>(b * kernels::kQueryElems * 2));
     ASSERT_EQ(out.lse.size(), static_cast<size_t>(b * kernels::kNumQoHeads * 4));
-    const auto q = Bf16FromBytes(w.q);
+    const auto q = Bf16FromBytes(std::string(w.q.host_bytes()));
     const auto o = Bf16FromBytes(out.output);
     const auto l = FloatsFromBytes(out.lse);
     for (int64_t i = 0; i < b; ++i) {

@@ -224,7 +224,7 @@ class RequestRun {
       return work;
     }
     FUZZ_CHECK(work->sequence_id == r.sequence_id() && work->layer == r.layer() &&
-                   work->num_tokens == r.num_tokens() && work->k == r.k() && work->v == r.v(),
+                   work->num_tokens == r.num_tokens() && work->k.host_bytes() == r.k() && work->v.host_bytes() == r.v(),
                "ToAppendWork changed the request's fields");
     return work;
   }
@@ -245,7 +245,7 @@ class RequestRun {
     FUZZ_CHECK(work->request_id == r.request_id() && work->layer == r.layer() &&
                    std::equal(work->sequence_ids.begin(), work->sequence_ids.end(),
                               r.sequence_ids().begin(), r.sequence_ids().end()) &&
-                   work->q == r.q() && work->k == r.k() && work->v == r.v(),
+                   work->q.host_bytes() == r.q() && work->k.host_bytes() == r.k() && work->v.host_bytes() == r.v(),
                "ToDecodeWork changed the request's fields");
     FUZZ_CHECK(std::fabs(work->sm_scale - scale) <= 1e-6f * scale && work->sm_scale > 0.0f,
                "sm_scale ", r.sm_scale(), " resolved to ", work->sm_scale);

@@ -79,9 +79,9 @@ TEST(ToDecodeWorkTest, CopiesAValidRequestWithKv) {
   EXPECT_EQ(w->request_id, 99u);
   EXPECT_EQ(w->layer, 1);
   EXPECT_EQ(w->sequence_ids, (std::vector<uint64_t>{100, 101, 102}));
-  EXPECT_EQ(w->q, r.q());
-  EXPECT_EQ(w->k, r.k());
-  EXPECT_EQ(w->v, r.v());
+  EXPECT_EQ(w->q.host_bytes(), r.q());
+  EXPECT_EQ(w->k.host_bytes(), r.k());
+  EXPECT_EQ(w->v.host_bytes(), r.v());
   EXPECT_FLOAT_EQ(w->sm_scale, static_cast<float>(1.0 / std::sqrt(128.0)));
   EXPECT_EQ(w->deadline, absl::InfiniteFuture());
 }
@@ -94,9 +94,9 @@ TEST(TakeDecodeWorkTest, MovesTheTensorsOutOfTheRequest) {
   ASSERT_TRUE(w.ok()) << w.status();
   absl::StatusOr<DecodeWork> copied = ToDecodeWork(original, Config());
   ASSERT_TRUE(copied.ok());
-  EXPECT_EQ(w->q, copied->q);
-  EXPECT_EQ(w->k, copied->k);
-  EXPECT_EQ(w->v, copied->v);
+  EXPECT_EQ(w->q.host_bytes(), copied->q.host_bytes());
+  EXPECT_EQ(w->k.host_bytes(), copied->k.host_bytes());
+  EXPECT_EQ(w->v.host_bytes(), copied->v.host_bytes());
   EXPECT_EQ(w->sequence_ids, copied->sequence_ids);
   EXPECT_EQ(w->request_id, 99u);
   EXPECT_EQ(w->layer, 1);
@@ -112,8 +112,8 @@ TEST(TakeAppendWorkTest, MovesTheTensorsOutOfTheRequest) {
   const std::string k = r.k(), v = r.v();
   absl::StatusOr<AppendWork> w = TakeAppendWork(&r, Config());
   ASSERT_TRUE(w.ok()) << w.status();
-  EXPECT_EQ(w->k, k);
-  EXPECT_EQ(w->v, v);
+  EXPECT_EQ(w->k.host_bytes(), k);
+  EXPECT_EQ(w->v.host_bytes(), v);
   EXPECT_EQ(w->num_tokens, 70);
   EXPECT_EQ(w->sequence_id, 5u);
   EXPECT_TRUE(r.k().empty());
@@ -197,8 +197,8 @@ TEST(ToAppendWorkTest, CopiesAValidRequest) {
   EXPECT_EQ(w->sequence_id, 5u);
   EXPECT_EQ(w->layer, 0);
   EXPECT_EQ(w->num_tokens, 65);
-  EXPECT_EQ(w->k, r.k());
-  EXPECT_EQ(w->v, r.v());
+  EXPECT_EQ(w->k.host_bytes(), r.k());
+  EXPECT_EQ(w->v.host_bytes(), r.v());
 }
 
 TEST(ToAppendWorkTest, RejectsNonPositiveTokens) {
