@@ -6,6 +6,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdint>
 #include <exception>
 #include <iostream>
@@ -36,7 +37,10 @@
 #endif
 
 ABSL_FLAG(std::string, grpc_address, "127.0.0.1:50051",
-          "host:port for gRPC (plaintext unless --tls_cert/--tls_key); port 0 picks a free port");
+          "host:port for gRPC (plaintext unless --tls_cert/--tls_key); port 0 picks a free port; "
+          "unix:/path listens on a Unix domain socket instead (for callers on this host)");
+ABSL_FLAG(std::string, unix_socket_mode, "0600",
+          "Permissions (octal) of the --grpc_address=unix:/path socket file: who may connect");
 ABSL_FLAG(std::string, tls_cert, "",
           "PEM certificate chain of the gRPC server; with --tls_key turns on TLS");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
@@ -275,6 +279,16 @@ int Serve() {
     return Fail("security flags", security);
   }
   server_options.address = absl::GetFlag(FLAGS_grpc_address);
+  {
+    const std::string mode = absl::GetFlag(FLAGS_unix_socket_mode);
+    char* end = nullptr;
+    const unsigned long parsed = std::strtoul(mode.c_str(), &end, 8);
+    if (mode.empty() || *end != '\0' || parsed > 0777) {
+      (*engine)->Shutdown(absl::ZeroDuration());
+      return Fail("flags", absl::InvalidArgumentError("--unix_socket_mode must be octal, 0..0777"));
+    }
+    server_options.unix_socket_mode = static_cast<uint32_t>(parsed);
+  }
   server_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   server_options.stream_max_in_flight = absl::GetFlag(FLAGS_stream_max_in_flight);
   server_options.http2_window_bytes = absl::GetFlag(FLAGS_http2_window_bytes);
@@ -287,7 +301,6 @@ int Serve() {
   }
 
   const ModelConfig config = (*engine)->config();
-  const std::string grpc_host = server_options.address.substr(0, server_options.address.rfind(':'));
   const std::string metrics_host = metrics_address.substr(0, metrics_address.rfind(':'));
   const double pool_gib = 2.0 * config.num_layers * static_cast<double>(config.num_pages) *
                           config.page_size * config.num_kv_heads * config.head_dim * 2 / (1 << 30);
@@ -301,7 +314,7 @@ int Serve() {
             << ", bearer token " << (server_options.auth_token.empty() ? "off" : "required")
             << "; metrics endpoint is plaintext without auth" << std::endl;
   // Tests and scripts read the ports from this line.
-  std::cout << "pagedattn-server: serving grpc=" << grpc_host << ":" << (*server)->port()
+  std::cout << "pagedattn-server: serving grpc=" << (*server)->target()
             << " metrics="
             << (metrics_address.empty() ? std::string("off")
                                         : absl::StrCat(metrics_host, ":", metrics_port))

@@ -1,8 +1,14 @@
 #include "server/service/grpc_server.h"
 
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
 #include <limits>
+#include <string>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "grpc/grpc.h"
@@ -78,12 +84,26 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const Options& opt
     if (server->server_ != nullptr) server->server_->Shutdown();
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.address));
   }
+  if (absl::StartsWith(options.address, "unix:")) {
+    const std::string path = options.address.substr(5);
+    if (chmod(path.c_str(), options.unix_socket_mode) != 0) {
+      server->server_->Shutdown();
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot set the mode of ", path, ": ", std::strerror(errno)));
+    }
+  }
+  server->address_ = options.address;
   SetServing(*server->server_, engine->health().ok());
   server->watcher_ = std::thread([s = server.get()] { s->WatchHealth(); });
   return server;
 }
 
 GrpcServer::~GrpcServer() { Shutdown(absl::Now()); }
+
+std::string GrpcServer::target() const {
+  if (absl::StartsWith(address_, "unix:")) return address_;
+  return absl::StrCat(address_.substr(0, address_.rfind(':')), ":", port_);
+}
 
 void GrpcServer::WatchHealth() {
   bool serving = engine_->health().ok();

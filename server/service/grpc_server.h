@@ -27,8 +27,10 @@ class Metrics;
 class GrpcServer {
  public:
   struct Options {
-    // host:port to listen on; port 0 picks a free port (see port()).
+    // host:port to listen on (port 0 picks a free port, see port()), or unix:/path for a Unix
+    // domain socket, whose file gets unix_socket_mode (its permissions are the boundary).
     std::string address = "127.0.0.1:50051";
+    uint32_t unix_socket_mode = 0600;
     // PEM material: none = plaintext; cert+key = TLS; plus client_ca = mutual TLS.
     TlsFiles tls;
     // Bearer token for every pagedattn.v1 call (health and reflection exempt); empty: none.
@@ -54,8 +56,10 @@ class GrpcServer {
                                                            Metrics* metrics /* nullable */);
   ~GrpcServer();  // Shutdown(absl::Now()) if not yet shut down.
 
-  // The bound port (the chosen one when the address asked for port 0).
+  // The bound port (the chosen one when the address asked for port 0); 1 for a Unix socket.
   int port() const { return port_; }
+  // The address clients dial: host:port with the bound port, or the unix: address itself.
+  std::string target() const;
 
   // Health NOT_SERVING, stops accepting calls, waits until every call in progress (and every
   // DecodeStream message read) has its response sent or `deadline` passes, then cancels what
@@ -72,6 +76,7 @@ class GrpcServer {
   Engine* const engine_;
   const absl::Duration poll_;
   int port_ = 0;
+  std::string address_;
 
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
