@@ -2,12 +2,19 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "pagedattn/kernels/decode.h"
 
 namespace pagedattn {
+
+absl::StatusOr<char*> Backend::OpenDeviceMemory(std::string_view /*ipc_handle*/,
+                                               int32_t /*device_id*/, int64_t /*bytes*/) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "CUDA memory regions need the CUDA backend; this server runs the ", std::string(name()), " backend"));
+}
 
 DecodeBlockLayout DecodeBlockLayout::For(int64_t num_sequences, bool with_kv) {
   const int64_t kv_bytes = with_kv ? num_sequences * kernels::kTokenBytes : 0;

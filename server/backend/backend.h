@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "pagedattn/kernels/plan.h"
 #include "server/backend/host_ring.h"
 #include "server/kv/kv_types.h"
@@ -140,6 +141,25 @@ class Backend {
   // keeps the request's own memory). Thread-safe: called from any thread, also while batches
   // run. The block must be released before the backend is destroyed.
   virtual HostBlock TakeHostBlock(int64_t /*bytes*/) { return {}; }
+
+  // Memory a client registered (memory regions), mapped for this backend's device. Thread-safe:
+  // called from RPC threads while batches run. A batch may point its rows (q, k/v, output,
+  // lse) into such memory between Open/Pin and Close/Unpin; the backend reads and writes it
+  // there (a CUDA backend with direct copies or from its kernels), never through the host when
+  // it is device memory.
+  //
+  // A CUDA IPC allocation of another process (cudaIpcMemHandle_t, 64 bytes) on CUDA device
+  // `device_id`: the address of its first byte in this process. FAILED_PRECONDITION with the
+  // reason when it cannot be opened (a backend without a GPU, another device that cannot
+  // reach this backend's, a handle that does not open, fewer than `bytes` behind it).
+  virtual absl::StatusOr<char*> OpenDeviceMemory(std::string_view ipc_handle, int32_t device_id,
+                                                 int64_t bytes);
+  virtual void CloseDeviceMemory(char* /*data*/) {}
+  // Host memory (a mapped shared-memory object) that batches will copy to and from: a CUDA
+  // backend pins it (cudaHostRegister) so the copies are direct. FAILED_PRECONDITION when it
+  // cannot be. The default does nothing.
+  virtual absl::Status PinHostMemory(char* /*data*/, int64_t /*bytes*/) { return absl::OkStatus(); }
+  virtual void UnpinHostMemory(char* /*data*/) {}
 
   // Whether Wait(batch), for the batch launched earliest and not yet waited, would return
   // without blocking on the device (it is done, or the backend failed). Never blocks; called
