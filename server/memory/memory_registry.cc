@@ -14,6 +14,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "server/memory/fault_guard.h"
 
 namespace pagedattn {
 namespace memory_internal {
@@ -41,6 +42,7 @@ struct Region {
       mapper->CloseDevice(data);
     } else {
       if (pinned) mapper->UnpinHost(map_base);
+      if (guarded) fault_guard::Unguard(map_base);
       munmap(map_base, map_bytes);
     }
     gauges->mapped_regions.fetch_sub(1);
@@ -60,6 +62,7 @@ struct Region {
   char* map_base = nullptr;
   size_t map_bytes = 0;
   bool pinned = false;
+  bool guarded = false;  // by fault_guard
   RegionMapper* mapper = nullptr;
   std::shared_ptr<Gauges> gauges;
   std::shared_ptr<Unmapped> unmapped = std::make_shared<Unmapped>();
@@ -146,6 +149,9 @@ absl::StatusOr<std::unique_ptr<MemoryRegistry>> MemoryRegistry::Create(const Opt
   if (options.max_regions <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_regions must be > 0, got ", options.max_regions));
+  }
+  if (options.guard_truncation) {
+    if (absl::Status s = fault_guard::Install(); !s.ok()) return s;
   }
   return std::unique_ptr<MemoryRegistry>(new MemoryRegistry(options));
 }
@@ -237,11 +243,14 @@ absl::Status MemoryRegistry::RegisterSystem(absl::string_view name, absl::string
     if (base == MAP_FAILED) status = ErrnoPrecondition("cannot map", key, errno);
   }
   close(fd);
-  if (status.ok() && options_.mapper != nullptr) {
+  const bool pin = options_.mapper != nullptr, guard = options_.guard_truncation;
+  if (status.ok() && guard) status = fault_guard::Guard(base, map_bytes);
+  if (status.ok() && pin) {
     status = options_.mapper->PinHost(static_cast<char*>(base), map_bytes);
-    if (!status.ok()) munmap(base, map_bytes);
+    if (!status.ok() && guard) fault_guard::Unguard(base);
   }
   if (!status.ok()) {
+    if (base != MAP_FAILED) munmap(base, map_bytes);
     CancelReservation(owned_name);
     return status;
   }
@@ -252,7 +261,8 @@ absl::Status MemoryRegistry::RegisterSystem(absl::string_view name, absl::string
   region->byte_size = byte_size;
   region->map_base = static_cast<char*>(base);
   region->map_bytes = map_bytes;
-  region->pinned = options_.mapper != nullptr;
+  region->pinned = pin;
+  region->guarded = guard;
   region->data = region->map_base + (offset - map_offset);
   region->backing = {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino) + 1,
                      offset, end};
@@ -390,6 +400,7 @@ MemoryRegistry::Stats MemoryRegistry::stats() const {
   }
   stats.mapped_regions = gauges_->mapped_regions.load();
   stats.mapped_bytes = gauges_->mapped_bytes.load();
+  stats.truncated_pages = fault_guard::replaced_pages();
   return stats;
 }
 

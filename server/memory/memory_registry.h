@@ -10,8 +10,9 @@
 // Leases may outlive the registry (its destructor unlists everything; regions still leased
 // unmap when their last lease ends). The mapper must outlive the registry and every lease.
 //
-// Known limit: a caller that shrinks (ftruncate) its shared-memory object while registered
-// makes the server's accesses past the new end fault (SIGBUS); the contract forbids it.
+// A caller that shrinks (ftruncate) its shared-memory object while registered would make the
+// server's accesses past the new end fault (SIGBUS): with guard_truncation (the default) the
+// process-wide FaultGuard turns those pages into zero pages instead (see fault_guard.h).
 //
 // Thread-safe. Resolve, List and stats never block on a mapping operation; Register* map
 // outside the lock (a name is reserved meanwhile, so a concurrent duplicate is ALREADY_EXISTS).
@@ -102,6 +103,9 @@ class MemoryRegistry {
   struct Options {
     int32_t max_regions = 256;       // listed regions (plus registrations in progress), > 0
     RegionMapper* mapper = nullptr;  // null: no GPU backend (cuda regions refused, no pinning)
+    // Guard system regions against callers that shrink their objects: installs the process's
+    // SIGBUS handler (fault_guard::Install) at Create.
+    bool guard_truncation = true;
   };
 
   struct Stats {
@@ -109,9 +113,10 @@ class MemoryRegistry {
     int64_t region_bytes = 0;    // sum of listed regions' byte_size
     int64_t mapped_regions = 0;  // listed, or unlisted and still leased by work
     int64_t mapped_bytes = 0;    // sum of mapped regions' byte_size
+    int64_t truncated_pages = 0; // pages replaced after callers shrank objects (process-wide)
   };
 
-  // INVALID_ARGUMENT for bad options.
+  // INVALID_ARGUMENT for bad options; INTERNAL if the fault guard cannot be installed.
   static absl::StatusOr<std::unique_ptr<MemoryRegistry>> Create(const Options& options);
   ~MemoryRegistry();
   MemoryRegistry(const MemoryRegistry&) = delete;
@@ -122,7 +127,7 @@ class MemoryRegistry {
   // INVALID_ARGUMENT: a bad name (1..128 printable ASCII characters, no spaces), a malformed
   // key ("/" then 1..254 characters, no other "/"), byte_size 0, offset not a multiple of 16,
   // offset + byte_size overflowing. ALREADY_EXISTS: the name is taken. RESOURCE_EXHAUSTED:
-  // max_regions reached. FAILED_PRECONDITION with the reason: the object cannot be opened
+  // max_regions reached (or the fault guard's table full). FAILED_PRECONDITION with the reason: the object cannot be opened
   // read-write, is not a regular object, holds fewer than offset + byte_size bytes, or cannot
   // be mapped or pinned. Nothing changes on error.
   absl::Status RegisterSystem(absl::string_view name, absl::string_view key, uint64_t offset,

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstring>
 #include <random>
 #include <string>
@@ -17,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/memory/fault_guard.h"
 
 namespace pagedattn {
 namespace {
@@ -54,6 +56,9 @@ class ShmObject {
     if (!unlinked_) shm_unlink(key_.c_str());
     unlinked_ = true;
   }
+
+  // As a misbehaving client: shrinks the object to `bytes`.
+  void Truncate(size_t bytes) { EXPECT_EQ(ftruncate(fd_, static_cast<off_t>(bytes)), 0); }
 
   const std::string& key() const { return key_; }
   char* data() const { return data_; }
@@ -415,6 +420,52 @@ TEST(MemoryRegistryTest, ObjectUnlinkedByItsExitedCreatorStaysValidUntilUnregist
   // The key is gone: registering it again is FAILED_PRECONDITION.
   EXPECT_EQ(registry->RegisterSystem("r2", key, 0, 64).code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(MemoryRegistryTest, ObjectShrunkWhileRegisteredReadsZerosInsteadOfKillingTheProcess) {
+  ShmObject shm(3 * 4096);
+  auto registry = NewRegistry();
+  ASSERT_TRUE(registry->RegisterSystem("r", shm.key(), 0, 3 * 4096).ok());
+  absl::StatusOr<ResolvedTensor> t = registry->Resolve("r", 0, 3 * 4096, 3 * 4096);
+  ASSERT_TRUE(t.ok());
+  const std::string first_page(shm.data(), 4096);
+  const int64_t before = registry->stats().truncated_pages;
+  shm.Truncate(4096);
+  // Pages past the new end: zeros to read, writable without effect; the first page is intact.
+  EXPECT_EQ(std::string(t->view.data + 4096, 2 * 4096), std::string(2 * 4096, '\0'));
+  const std::string out = RandomBytes(2 * 4096);
+  std::memcpy(t->view.data + 4096, out.data(), out.size());
+  EXPECT_EQ(std::memcmp(t->view.data, first_page.data(), 4096), 0);
+  EXPECT_EQ(registry->stats().truncated_pages, before + 2);
+  t->lease.Release();
+  EXPECT_TRUE(registry->Unregister("r", Soon(absl::Seconds(5))).ok());
+}
+
+TEST(MemoryRegistryTest, UnmappedRegionsGiveBackTheirFaultGuardSlots) {
+  ShmObject shm(4096);
+  auto registry = NewRegistry();
+  for (int i = 0; i < fault_guard::kMaxRanges + 100; ++i) {
+    ASSERT_TRUE(registry->RegisterSystem("r", shm.key(), 0, 4096).ok()) << i;
+    ASSERT_TRUE(registry->Unregister("r", Soon(absl::Seconds(5))).ok());
+  }
+}
+
+TEST(MemoryRegistryDeathTest, FaultOutsideRegisteredMemoryStillEndsTheProcess) {
+  // The guard claims only faults in registered mappings.
+  auto registry = NewRegistry();
+  EXPECT_EXIT(
+      {
+        ShmObject shm(2 * 4096);
+        shm.Truncate(0);
+        volatile char c = shm.data()[4096];
+        (void)c;
+        _exit(0);
+      },
+      [](int status) {
+        return (WIFSIGNALED(status) && WTERMSIG(status) == SIGBUS) ||
+               (WIFEXITED(status) && WEXITSTATUS(status) != 0);  // a sanitizer's report
+      },
+      "");
 }
 
 TEST(MemoryRegistryTest, LeasesOutliveTheRegistry) {
