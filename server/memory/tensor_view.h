@@ -12,6 +12,11 @@ enum class MemoryKind : int8_t {
   kDevice,  // CUDA device memory in this process's address space
 };
 
+// The contract's name of a region's kind: "system" (kHost) or "cuda" (kDevice).
+constexpr const char* MemoryKindName(MemoryKind kind) {
+  return kind == MemoryKind::kDevice ? "cuda" : "system";
+}
+
 struct TensorView {
   char* data = nullptr;  // first byte; 16-byte aligned for views from MemoryRegistry::Resolve
   int64_t bytes = 0;

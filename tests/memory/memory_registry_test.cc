@@ -180,6 +180,8 @@ TEST(MemoryRegistryTest, ListAndStatsShowListedRegions) {
   EXPECT_EQ(list[1].name, "gpu");
   EXPECT_EQ(list[1].kind, MemoryKind::kDevice);
   EXPECT_EQ(list[1].device, 1);
+  EXPECT_STREQ(MemoryKindName(list[0].kind), "system");
+  EXPECT_STREQ(MemoryKindName(list[1].kind), "cuda");
   EXPECT_EQ(list[2].name, "zeta");
   MemoryRegistry::Stats stats = registry->stats();
   EXPECT_EQ(stats.regions, 3);
