@@ -19,6 +19,14 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
+v1::TensorRef MakeTensorRef(const std::string& region, uint64_t offset, uint64_t byte_size) {
+  v1::TensorRef ref;
+  ref.set_region(region);
+  ref.set_offset(offset);
+  ref.set_byte_size(byte_size);
+  return ref;
+}
+
 absl::Status ResponseStatus(const v1::DecodeResponse& response) {
   if (response.error_code() == 0) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(response.error_code()),
@@ -155,6 +163,11 @@ absl::StatusOr<int64_t> Client::AppendKV(uint64_t sequence_id, int32_t layer, in
   request.set_num_tokens(num_tokens);
   request.set_k(std::move(k));
   request.set_v(std::move(v));
+  return AppendKV(request);
+}
+
+absl::StatusOr<int64_t> Client::AppendKV(const v1::AppendKVRequest& request) {
+  auto context = NewContext();
   v1::AppendKVResponse response;
   grpc::Status status = stub_->AppendKV(context.get(), request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
@@ -192,6 +205,46 @@ absl::StatusOr<v1::GetStatsResponse> Client::GetStats() {
   grpc::Status status = stub_->GetStats(context.get(), v1::GetStatsRequest(), &response);
   if (!status.ok()) return FromGrpcStatus(status);
   return response;
+}
+
+absl::Status Client::RegisterSystemMemory(const std::string& name, const std::string& key,
+                                          uint64_t offset, uint64_t byte_size) {
+  auto context = NewContext();
+  v1::RegisterSystemMemoryRequest request;
+  request.set_name(name);
+  request.set_key(key);
+  request.set_offset(offset);
+  request.set_byte_size(byte_size);
+  v1::RegisterSystemMemoryResponse response;
+  return FromGrpcStatus(stub_->RegisterSystemMemory(context.get(), request, &response));
+}
+
+absl::Status Client::RegisterCudaMemory(const std::string& name, const std::string& raw_handle,
+                                        int32_t device_id, uint64_t byte_size) {
+  auto context = NewContext();
+  v1::RegisterCudaMemoryRequest request;
+  request.set_name(name);
+  request.set_raw_handle(raw_handle);
+  request.set_device_id(device_id);
+  request.set_byte_size(byte_size);
+  v1::RegisterCudaMemoryResponse response;
+  return FromGrpcStatus(stub_->RegisterCudaMemory(context.get(), request, &response));
+}
+
+absl::Status Client::UnregisterMemory(const std::string& name) {
+  auto context = NewContext();
+  v1::UnregisterMemoryRequest request;
+  request.set_name(name);
+  v1::UnregisterMemoryResponse response;
+  return FromGrpcStatus(stub_->UnregisterMemory(context.get(), request, &response));
+}
+
+absl::StatusOr<std::vector<v1::MemoryRegion>> Client::ListMemory() {
+  auto context = NewContext();
+  v1::ListMemoryResponse response;
+  grpc::Status status = stub_->ListMemory(context.get(), v1::ListMemoryRequest(), &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return std::vector<v1::MemoryRegion>(response.regions().begin(), response.regions().end());
 }
 
 std::unique_ptr<DecodeStream> Client::OpenDecodeStream() {

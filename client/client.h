@@ -63,6 +63,9 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
 // grpc::Status -> absl::Status, code for code.
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
+// A reference to [offset, offset + byte_size) of registered region `region`.
+v1::TensorRef MakeTensorRef(const std::string& region, uint64_t offset, uint64_t byte_size);
+
 // The status a DecodeStream response carries for its own request (error_code, error_message;
 // OK when error_code is 0): a stream stays open when one of its requests fails.
 absl::Status ResponseStatus(const v1::DecodeResponse& response);
@@ -104,10 +107,28 @@ class Client {
   // k, v: bf16 [num_tokens, 4, 128] bytes each. Returns the committed length after the call.
   absl::StatusOr<int64_t> AppendKV(uint64_t sequence_id, int32_t layer, int32_t num_tokens,
                                    std::string k, std::string v);
+  // The same with a request of the caller's, e.g. with k_ref/v_ref (MakeTensorRef) instead of
+  // inline k/v.
+  absl::StatusOr<int64_t> AppendKV(const v1::AppendKVRequest& request);
+  // Inputs inline or by reference (q_ref, k_ref, v_ref); with output_ref / lse_ref the results
+  // are in the caller's region when this returns OK, and the response's output / lse are empty.
   absl::StatusOr<v1::DecodeResponse> Decode(const v1::DecodeRequest& request);
   absl::Status ForkSequence(uint64_t parent_id, uint64_t child_id);
   absl::Status ReleaseSequence(uint64_t sequence_id);
   absl::StatusOr<v1::GetStatsResponse> GetStats();
+
+  // Tensors by reference: regions of this host's memory the server maps (see the proto).
+  // key: a shared-memory object name (SharedMemoryRegion::key()); [offset, offset + byte_size)
+  // of it becomes region `name`.
+  absl::Status RegisterSystemMemory(const std::string& name, const std::string& key,
+                                    uint64_t offset, uint64_t byte_size);
+  // raw_handle: the 64 bytes of a cudaIpcMemHandle_t of an allocation on CUDA device device_id.
+  absl::Status RegisterCudaMemory(const std::string& name, const std::string& raw_handle,
+                                  int32_t device_id, uint64_t byte_size);
+  // Waits (within the options' timeout) for the server's work using the region to end;
+  // DEADLINE_EXCEEDED if it does not, with the region unlisted all the same.
+  absl::Status UnregisterMemory(const std::string& name);
+  absl::StatusOr<std::vector<v1::MemoryRegion>> ListMemory();
   // A stream with no deadline (the options' timeout does not apply).
   std::unique_ptr<DecodeStream> OpenDecodeStream();
   // Sends `requests` on one new DecodeStream (written from a thread of its own while the
