@@ -1,7 +1,7 @@
 // The engine's host-block path (Backend::TakeHostBlock): a Decode's tensors copied into the
 // backend's ring at admission, its outputs read back from there. The CPU backend with a ring
 // runs it here; the CUDA backend's copies from and to the blocks are tested on the GPU
-// (tests/backend/cuda_backend_test.cc).
+// (tests/backend/cuda_backend_test.cc, cuda_engine_test.cc).
 #include <atomic>
 #include <string>
 #include <thread>
