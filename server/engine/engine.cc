@@ -15,9 +15,34 @@
 #include "server/engine/step_builder.h"
 #include "server/kv/block_allocator.h"
 #include "server/kv/sequence_table.h"
+#include "server/memory/memory_registry.h"
+#include "server/memory/region_mapper.h"
 #include "server/metrics/metrics.h"
 
 namespace pagedattn {
+
+namespace {
+
+// Registers memory through the engine's backend.
+class BackendRegionMapper final : public RegionMapper {
+ public:
+  explicit BackendRegionMapper(Backend* backend) : backend_(backend) {}
+  absl::StatusOr<char*> OpenDevice(absl::string_view raw_handle, int32_t device_id,
+                                   uint64_t byte_size) override {
+    return backend_->OpenDeviceMemory(std::string_view(raw_handle.data(), raw_handle.size()),
+                                      device_id, static_cast<int64_t>(byte_size));
+  }
+  void CloseDevice(char* device_ptr) override { backend_->CloseDeviceMemory(device_ptr); }
+  absl::Status PinHost(char* ptr, uint64_t bytes) override {
+    return backend_->PinHostMemory(ptr, static_cast<int64_t>(bytes));
+  }
+  void UnpinHost(char* ptr) override { backend_->UnpinHostMemory(ptr); }
+
+ private:
+  Backend* const backend_;
+};
+
+}  // namespace
 
 class Engine::Impl {
  public:
@@ -35,6 +60,7 @@ class Engine::Impl {
     std::lock_guard<std::mutex> lock(mu_);
     return health_;
   }
+  MemoryRegistry* regions() { return regions_.get(); }
   absl::Status CreateSequence(uint64_t id);
   absl::Status ForkSequence(uint64_t parent, uint64_t child);
   absl::Status ReleaseSequence(uint64_t id);
@@ -52,6 +78,10 @@ class Engine::Impl {
   Clock* const clock_;
   const std::unique_ptr<Backend> backend_;
   Metrics* const metrics_;
+  // Destroyed after the executor (whose work items hold leases on regions) and before the
+  // backend (which unmaps them).
+  BackendRegionMapper mapper_{backend_.get()};
+  std::unique_ptr<MemoryRegistry> regions_;
   std::unique_ptr<Batcher> batcher_;
   std::unique_ptr<Admission> admission_;
   std::unique_ptr<StepBuilder> step_builder_;  // executor thread only
@@ -95,6 +125,10 @@ absl::Status Engine::Impl::Init() {
   if (backend_->max_in_flight() < 1) {
     return absl::InvalidArgumentError("backend max_in_flight must be >= 1");
   }
+  absl::StatusOr<std::unique_ptr<MemoryRegistry>> regions = MemoryRegistry::Create(
+      {.max_regions = options_.max_memory_regions, .mapper = &mapper_});
+  if (!regions.ok()) return regions.status();
+  regions_ = *std::move(regions);
   step_builder_ = *std::move(step_builder);
   batcher_ = *std::move(batcher);
   admission_ = std::make_unique<Admission>(backend_.get(), batcher_.get(), metrics_);
@@ -244,6 +278,7 @@ Engine::~Engine() { impl_->Shutdown(absl::ZeroDuration()); }
 ModelConfig Engine::config() const { return impl_->config(); }
 EngineStats Engine::GetStats() const { return impl_->GetStats(); }
 absl::Status Engine::health() const { return impl_->health(); }
+MemoryRegistry* Engine::regions() { return impl_->regions(); }
 absl::Status Engine::CreateSequence(uint64_t id) { return impl_->CreateSequence(id); }
 absl::Status Engine::ForkSequence(uint64_t parent, uint64_t child) {
   return impl_->ForkSequence(parent, child);

@@ -65,6 +65,7 @@
 namespace pagedattn {
 
 class Backend;
+class MemoryRegistry;
 class Metrics;
 
 struct ModelConfig {
@@ -141,6 +142,8 @@ class Engine {
     // Run the callbacks (and free the work items) on a thread of their own, in the same order,
     // so that the executor goes back to launching while responses are handed to gRPC.
     bool completion_thread = false;
+    // Memory regions clients may register at once (MemoryRegistry::Options::max_regions).
+    int32_t max_memory_regions = 256;
     // The time source of deadlines, the queue delay and the drain timeout (stage and latency
     // metrics are measured on the real clock). null: Clock::Real(). Outlives the engine.
     Clock* clock = nullptr;
@@ -156,6 +159,9 @@ class Engine {
   EngineStats GetStats() const;
   // OK while the backend works; INTERNAL after a device error.
   absl::Status health() const;
+  // The memory regions clients registered, mapped through this engine's backend (CUDA regions
+  // opened for its device, system regions pinned for it). Lives as long as the engine.
+  MemoryRegistry* regions();
 
   absl::Status CreateSequence(uint64_t sequence_id);
   absl::Status ForkSequence(uint64_t parent_id, uint64_t child_id);

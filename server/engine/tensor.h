@@ -9,10 +9,11 @@
 #pragma once
 
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
+
+#include "server/memory/memory_registry.h"
 
 namespace pagedattn {
 
@@ -22,7 +23,7 @@ class Tensor {
   // Inline bytes (implicit, so a request's std::string converts as it is moved in).
   Tensor(std::string bytes) : bytes_(std::move(bytes)) {}  // NOLINT(google-explicit-constructor)
   // `size` bytes at `data` in a registered region; `lease` keeps the region mapped.
-  static Tensor View(char* data, int64_t size, bool on_device, std::shared_ptr<const void> lease) {
+  static Tensor View(char* data, int64_t size, bool on_device, RegionLease lease) {
     Tensor t;
     t.view_ = data;
     t.view_bytes_ = size;
@@ -49,7 +50,7 @@ class Tensor {
   char* view_ = nullptr;
   int64_t view_bytes_ = 0;
   bool on_device_ = false;
-  std::shared_ptr<const void> lease_;
+  RegionLease lease_;
 };
 
 }  // namespace pagedattn

@@ -68,7 +68,7 @@ void DecodeStreamReactor::OnReadDone(bool ok) {
 }
 
 void DecodeStreamReactor::Submit(v1::DecodeRequest request, Slot* slot) {
-  absl::StatusOr<DecodeWork> work = TakeDecodeWork(&request, config_);
+  absl::StatusOr<DecodeWork> work = TakeDecodeWork(&request, config_, engine_->regions());
   if (!work.ok()) {
     OnComputed(slot, work.status());
     return;

@@ -1,9 +1,11 @@
 #include "server/service/service.h"
 
+#include <algorithm>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include "server/memory/memory_registry.h"
 #include "server/metrics/metrics.h"
 #include "server/service/decode_stream_reactor.h"
 #include "server/service/status.h"
@@ -43,8 +45,10 @@ PagedAttentionService::PagedAttentionService(const Options& options, Engine* eng
   for (int c = 0; c <= static_cast<int>(absl::StatusCode::kUnauthenticated); ++c) {
     codes.push_back(StatusCodeName(static_cast<absl::StatusCode>(c)));
   }
-  for (std::string_view method : {"GetModelConfig", "CreateSequence", "AppendKV", "Decode",
-                                  "DecodeStream", "ForkSequence", "ReleaseSequence", "GetStats"}) {
+  for (std::string_view method :
+       {"GetModelConfig", "CreateSequence", "AppendKV", "Decode", "DecodeStream", "ForkSequence",
+        "ReleaseSequence", "GetStats", "RegisterSystemMemory", "RegisterCudaMemory",
+        "UnregisterMemory", "ListMemory"}) {
     metrics_->DeclareMethod(method, codes);
   }
 }
@@ -97,7 +101,7 @@ grpc::ServerUnaryReactor* PagedAttentionService::AppendKV(grpc::CallbackServerCo
                                                           const v1::AppendKVRequest* request,
                                                           v1::AppendKVResponse* response) {
   return Unary(context, "AppendKV", [&](UnaryCall* call) {
-    absl::StatusOr<AppendWork> work = TakeAppendWork(Mutable(request), config_);
+    absl::StatusOr<AppendWork> work = TakeAppendWork(Mutable(request), config_, engine_->regions());
     if (!work.ok()) {
       call->Complete(work.status());
       return;
@@ -117,7 +121,7 @@ grpc::ServerUnaryReactor* PagedAttentionService::Decode(grpc::CallbackServerCont
                                                         v1::DecodeResponse* response) {
   return Unary(context, "Decode", [&](UnaryCall* call) {
     const uint64_t request_id = request->request_id();
-    absl::StatusOr<DecodeWork> work = TakeDecodeWork(Mutable(request), config_);
+    absl::StatusOr<DecodeWork> work = TakeDecodeWork(Mutable(request), config_, engine_->regions());
     if (!work.ok()) {
       call->Complete(work.status());
       return;
@@ -179,6 +183,48 @@ grpc::ServerUnaryReactor* PagedAttentionService::GetStats(grpc::CallbackServerCo
     response->set_batches(stats.batches);
     response->set_decoded_sequences(stats.decoded_sequences);
     response->set_healthy(stats.healthy);
+    call->Complete(absl::OkStatus());
+  });
+}
+
+grpc::ServerUnaryReactor* PagedAttentionService::RegisterSystemMemory(
+    grpc::CallbackServerContext* context, const v1::RegisterSystemMemoryRequest* request,
+    v1::RegisterSystemMemoryResponse* /*response*/) {
+  return Unary(context, "RegisterSystemMemory", [&](UnaryCall* call) {
+    call->Complete(engine_->regions()->RegisterSystem(request->name(), request->key(),
+                                                      request->offset(), request->byte_size()));
+  });
+}
+
+grpc::ServerUnaryReactor* PagedAttentionService::RegisterCudaMemory(
+    grpc::CallbackServerContext* context, const v1::RegisterCudaMemoryRequest* request,
+    v1::RegisterCudaMemoryResponse* /*response*/) {
+  return Unary(context, "RegisterCudaMemory", [&](UnaryCall* call) {
+    call->Complete(engine_->regions()->RegisterCuda(request->name(), request->raw_handle(),
+                                                    request->device_id(), request->byte_size()));
+  });
+}
+
+grpc::ServerUnaryReactor* PagedAttentionService::UnregisterMemory(
+    grpc::CallbackServerContext* context, const v1::UnregisterMemoryRequest* request,
+    v1::UnregisterMemoryResponse* /*response*/) {
+  return Unary(context, "UnregisterMemory", [&](UnaryCall* call) {
+    const absl::Time deadline = std::min(call->deadline(), absl::Now() + kMaxUnregisterWait);
+    call->Complete(engine_->regions()->Unregister(request->name(), deadline));
+  });
+}
+
+grpc::ServerUnaryReactor* PagedAttentionService::ListMemory(grpc::CallbackServerContext* context,
+                                                            const v1::ListMemoryRequest* /*request*/,
+                                                            v1::ListMemoryResponse* response) {
+  return Unary(context, "ListMemory", [&](UnaryCall* call) {
+    for (const MemoryRegionInfo& info : engine_->regions()->List()) {
+      v1::MemoryRegion* region = response->add_regions();
+      region->set_name(info.name);
+      region->set_kind(MemoryKindName(info.kind));
+      region->set_byte_size(info.byte_size);
+      region->set_device_id(info.device);
+    }
     call->Complete(absl::OkStatus());
   });
 }

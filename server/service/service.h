@@ -62,6 +62,21 @@ class PagedAttentionService final : public v1::PagedAttention::CallbackService {
                                      const v1::GetStatsRequest* request,
                                      v1::GetStatsResponse* response) override;
 
+  grpc::ServerUnaryReactor* RegisterSystemMemory(grpc::CallbackServerContext* context,
+                                                 const v1::RegisterSystemMemoryRequest* request,
+                                                 v1::RegisterSystemMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterCudaMemory(grpc::CallbackServerContext* context,
+                                               const v1::RegisterCudaMemoryRequest* request,
+                                               v1::RegisterCudaMemoryResponse* response) override;
+  // Waits for the region's work until the call's deadline, and at most kMaxUnregisterWait.
+  grpc::ServerUnaryReactor* UnregisterMemory(grpc::CallbackServerContext* context,
+                                             const v1::UnregisterMemoryRequest* request,
+                                             v1::UnregisterMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* ListMemory(grpc::CallbackServerContext* context,
+                                       const v1::ListMemoryRequest* request,
+                                       v1::ListMemoryResponse* response) override;
+  static constexpr absl::Duration kMaxUnregisterWait = absl::Seconds(60);
+
   // Unary calls and DecodeStream messages whose response is not yet sent.
   CallCounter& calls() { return calls_; }
 
