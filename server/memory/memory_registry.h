@@ -49,6 +49,9 @@ class RegionLease {
   RegionLease() = default;
   bool held() const { return region_ != nullptr; }
   void Release() { region_.reset(); }
+  // The lease as a type-erased owner, for holders that keep any kind of lease (it keeps the
+  // region mapped for as long as a copy of it lives).
+  std::shared_ptr<const void> shared() const { return region_; }
 
  private:
   friend class MemoryRegistry;

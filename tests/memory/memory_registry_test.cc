@@ -524,7 +524,10 @@ TEST(MemoryRegistryTest, CudaRegionOpensOnceAndClosesOnceAfterItsLastLease) {
   ResolvedTensor copy = *b;  // a copied lease holds too
   b->lease.Release();
   EXPECT_EQ(mapper.closes, 0);
+  std::shared_ptr<const void> erased = copy.lease.shared();  // and a type-erased one
   copy.lease.Release();
+  EXPECT_EQ(mapper.closes, 0);
+  erased.reset();
   EXPECT_EQ(mapper.closes, 1);
   copy.lease.Release();
   EXPECT_EQ(mapper.closes, 1);
