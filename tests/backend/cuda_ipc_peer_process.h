@@ -20,6 +20,19 @@ extern char** environ;
 
 namespace pagedattn::testing {
 
+// The peer executable: beside the running test's (a bundle copied to a GPU host), else where
+// the build put it (PAGEDATTN_CUDA_IPC_PEER).
+inline std::string PeerPath() {
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n > 0) {
+    std::string path(self, static_cast<size_t>(n));
+    path = path.substr(0, path.rfind('/') + 1) + "pagedattn_cuda_ipc_peer";
+    if (access(path.c_str(), X_OK) == 0) return path;
+  }
+  return PAGEDATTN_CUDA_IPC_PEER;
+}
+
 class PeerProcess {
  public:
   // Spawns `path`; null (with a test failure) when it cannot be.

@@ -2,8 +2,6 @@
 // (pagedattn_cuda_ipc_peer, opened by CUDA IPC handle) and pinned host regions. Every batch is
 // checked bitwise against the same batch with its tensors in ordinary host memory. Needs a
 // GPU of compute capability 9.0; skips without one.
-#include <unistd.h>
-
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -36,19 +34,6 @@ int32_t Length(int32_t s) { return 130 + 7 * s; }  // tokens after the decode st
 int32_t Page(int32_t s, int32_t i) { return 10 + 4 * s + i; }
 int64_t Slot(int32_t s, int32_t t) { return int64_t{Page(s, t / k::kPageSize)} * k::kPageSize + t % k::kPageSize; }
 
-// The peer executable: beside this test's (a bundle copied to a GPU host), else where the
-// build put it.
-std::string PeerPath() {
-  char self[4096];
-  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  if (n > 0) {
-    std::string path(self, n);
-    path = path.substr(0, path.rfind('/') + 1) + "pagedattn_cuda_ipc_peer";
-    if (access(path.c_str(), X_OK) == 0) return path;
-  }
-  return PAGEDATTN_CUDA_IPC_PEER;
-}
-
 // Where a sequence's tensors lie.
 enum class Where { kPageable, kRing, kPinned, kDevice };
 
@@ -80,7 +65,7 @@ class CudaIpcTest : public ::testing::Test {
     ASSERT_TRUE(b.ok()) << b.status();
     backend_ = *std::move(b);
     ASSERT_TRUE(backend_->Init({.num_layers = 1, .num_pages = 64, .max_batch_size = 8}).ok());
-    peer_ = PeerProcess::Start(PeerPath().c_str());
+    peer_ = PeerProcess::Start(testing::PeerPath().c_str());
     ASSERT_NE(peer_, nullptr);
     q_ = RandomBf16(kSeqs * k::kQueryElems, rng_);
     k_new_ = RandomBf16(kSeqs * k::kTokenElems, rng_);
@@ -318,9 +303,10 @@ TEST_F(CudaIpcTest, HandlesThatCannotBeOpenedAreFailedPreconditionAndChangeNothi
   EXPECT_EQ(opened.status().code(), absl::StatusCode::kFailedPrecondition) << opened.status();
   EXPECT_EQ(backend_->OpenDeviceMemory("short", kDevice, 4096).status().code(),
             absl::StatusCode::kFailedPrecondition);
-  const PeerProcess::Region region = peer_->Alloc(kDevice, 4096);
+  // 3 MiB (whatever granularity the driver rounds an allocation to, far less than 64 MiB).
+  const PeerProcess::Region region = peer_->Alloc(kDevice, 3 << 20);
   ASSERT_FALSE(region.handle.empty());
-  opened = backend_->OpenDeviceMemory(region.handle, kDevice, 8192);  // more than is there
+  opened = backend_->OpenDeviceMemory(region.handle, kDevice, 64 << 20);  // more than is there
   EXPECT_EQ(opened.status().code(), absl::StatusCode::kFailedPrecondition) << opened.status();
   EXPECT_NE(opened.status().message().find("fewer"), std::string::npos) << opened.status();
   opened = backend_->OpenDeviceMemory(region.handle, 1000, 4096);  // no such device
