@@ -81,6 +81,11 @@ absl::Status CudaRegion::CopyFromHost(int64_t offset, const void* src, int64_t n
       e != cudaSuccess) {
     return Error("cudaMemcpy to the region", e);
   }
+  // A copy from pageable memory may return before its DMA lands: wait, so that the server
+  // (another process, another stream) reads the new bytes once the caller names them.
+  if (cudaError_t e = cudaStreamSynchronize(nullptr); e != cudaSuccess) {
+    return Error("cudaStreamSynchronize", e);
+  }
   return absl::OkStatus();
 }
 

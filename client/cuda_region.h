@@ -36,8 +36,11 @@ class CudaRegion {
   // The cudaIpcMemHandle_t of the allocation: 64 bytes.
   const std::string& ipc_handle() const { return handle_; }
 
-  // Synchronous copies between host memory and [offset, offset + n) of the region;
-  // OUT_OF_RANGE outside it, INTERNAL for a CUDA error.
+  // Synchronous copies between host memory and [offset, offset + n) of the region: when
+  // CopyFromHost returns, the bytes are in device memory, so a request may name them (a plain
+  // cudaMemcpy from pageable memory may return earlier). OUT_OF_RANGE outside the region,
+  // INTERNAL for a CUDA error. A client writing the region with its own kernels or streams
+  // synchronizes them before sending the request, likewise.
   absl::Status CopyFromHost(int64_t offset, const void* src, int64_t n);
   absl::Status CopyToHost(int64_t offset, void* dst, int64_t n) const;
   // Sets every byte of the region to `value`.

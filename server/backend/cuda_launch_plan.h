@@ -28,7 +28,8 @@ namespace pagedattn {
 // How a batch's outputs reach its rows (BackendBatch::output and lse).
 enum class OutputMode {
   // The decode kernel stores them straight into the batch's one host block in the ring (mapped
-  // pinned memory): no copy back follows the kernel.
+  // pinned memory), or into a client's device memory (LaunchPlan::out_device): no copy back
+  // follows the kernel.
   kKernelWrites,
   // The kernel writes the device output buffer; one device-to-host copy per output run puts
   // them into the host blocks.
