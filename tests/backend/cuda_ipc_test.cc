@@ -345,7 +345,8 @@ TEST_F(CudaIpcTest, PinningPinnedMemoryAgainIsFailedPrecondition) {
 // (a cudaFree before the importer's close), so this test asserts only what the backend
 // promises: the batch that reads the memory returns (OK or INTERNAL, never a hang or a crash),
 // and the backend is usable afterwards unless that batch failed it. What happened is recorded
-// as the test's properties (peer_exit_batch, peer_exit_after).
+// as the test's properties (peer_exit_batch, peer_exit_after). It is the binary's last test
+// (see CMakeLists.txt): a failed context would fail every test after it in the process.
 TEST_F(CudaIpcTest, APeerThatExitsWhileRegisteredNeitherHangsNorCrashesTheBackend) {
   const DecodeBlockLayout l = DecodeBlockLayout::For(1, true);
   const PeerProcess::Region region = peer_->Alloc(kDevice, l.bytes);
