@@ -90,6 +90,18 @@ CudaBackend::Impl::~Impl() {
     }
     if (slot.stream != nullptr && slot.stream != shared_stream) cudaStreamDestroy(slot.stream);
   }
+  // Registered memory its owner never released: closed and unpinned with the backend.
+  {
+    absl::MutexLock lock(&regions_mu);
+    for (const Registered& r : regions) {
+      if (r.range.kind == MemoryKind::kPinnedHost) {
+        cudaHostUnregister(r.data);
+      } else {
+        for (int32_t i = 0; i < r.refs; ++i) cudaIpcCloseMemHandle(r.data);
+      }
+    }
+    regions.clear();
+  }
   ring.reset();
   if (ring_memory != nullptr) cudaFreeHost(ring_memory);
   if (k_pool != nullptr) cudaFree(k_pool);

@@ -114,7 +114,8 @@ struct CudaBackend::Impl {
   // Memory clients registered (cuda_backend_memory.cc): changed on RPC threads under
   // regions_mu; Launch plans with its own copy, `ranges`, re-read when regions_version moved.
   struct Registered {
-    MemoryRange range;
+    MemoryRange range;  // a device allocation's whole extent, or the pinned bytes
+    char* data = nullptr;  // what OpenDeviceMemory returned (what closes it), or the pinned start
     int32_t refs = 0;  // opens of one IPC allocation (the runtime returns the same address)
   };
   absl::Mutex regions_mu;

@@ -130,7 +130,7 @@ absl::StatusOr<char*> CudaBackend::OpenDeviceMemory(std::string_view ipc_handle,
     if (at != d.regions.end() && at->range.begin == begin) {
       ++at->refs;  // the same allocation again: the runtime counted this open too
     } else {
-      d.regions.insert(at, Impl::Registered{{begin, end, MemoryKind::kDevice}, 1});
+      d.regions.insert(at, Impl::Registered{{begin, end, MemoryKind::kDevice}, data, 1});
       d.regions_version.fetch_add(1, std::memory_order_release);
     }
   }
@@ -141,10 +141,8 @@ void CudaBackend::CloseDeviceMemory(char* data) {
   Impl& d = *impl_;
   {
     absl::MutexLock lock(&d.regions_mu);
-    // The open address lies inside its allocation's range (it is the allocation's start when
-    // the client exported its cudaMalloc base).
     auto at = std::find_if(d.regions.begin(), d.regions.end(), [data](const Impl::Registered& r) {
-      return r.range.kind == MemoryKind::kDevice && data >= r.range.begin && data < r.range.end;
+      return r.range.kind == MemoryKind::kDevice && r.data == data;
     });
     if (at == d.regions.end()) return;
     if (--at->refs == 0) {
@@ -175,7 +173,7 @@ absl::Status CudaBackend::PinHostMemory(char* data, int64_t bytes) {
   auto at = std::lower_bound(
       d.regions.begin(), d.regions.end(), static_cast<const char*>(data),
       [](const Impl::Registered& r, const char* p) { return r.range.begin < p; });
-  d.regions.insert(at, Impl::Registered{{data, data + bytes, MemoryKind::kPinnedHost}, 1});
+  d.regions.insert(at, Impl::Registered{{data, data + bytes, MemoryKind::kPinnedHost}, data, 1});
   d.regions_version.fetch_add(1, std::memory_order_release);
   return absl::OkStatus();
 }
@@ -185,7 +183,7 @@ void CudaBackend::UnpinHostMemory(char* data) {
   {
     absl::MutexLock lock(&d.regions_mu);
     auto at = std::find_if(d.regions.begin(), d.regions.end(), [data](const Impl::Registered& r) {
-      return r.range.kind == MemoryKind::kPinnedHost && r.range.begin == data;
+      return r.range.kind == MemoryKind::kPinnedHost && r.data == data;
     });
     if (at == d.regions.end()) return;
     d.regions.erase(at);
