@@ -90,6 +90,18 @@ CudaBackend::Impl::~Impl() {
     }
     if (slot.stream != nullptr && slot.stream != shared_stream) cudaStreamDestroy(slot.stream);
   }
+  // Registered memory its owner never released: closed and unpinned with the backend.
+  {
+    absl::MutexLock lock(&regions_mu);
+    for (const Registered& r : regions) {
+      if (r.range.kind == MemoryKind::kPinnedHost) {
+        cudaHostUnregister(r.data);
+      } else {
+        for (int32_t i = 0; i < r.refs; ++i) cudaIpcCloseMemHandle(r.data);
+      }
+    }
+    regions.clear();
+  }
   ring.reset();
   if (ring_memory != nullptr) cudaFreeHost(ring_memory);
   if (k_pool != nullptr) cudaFree(k_pool);
@@ -259,6 +271,7 @@ absl::Status CudaBackend::Impl::Allocate() {
   plan_options.max_direct_runs = kMaxDirectRuns;
   plan_options.kernel_appends = options.tuning.kernel_appends;
   plan_options.kernel_writes_outputs = options.tuning.kernel_writes_outputs;
+  plan_options.ranges = &ranges;
   // The plan's room for a batch of one round (a larger one grows it once).
   constexpr size_t kRounds = 8;
   launch_plan.rounds.reserve(kRounds);
@@ -267,6 +280,7 @@ absl::Status CudaBackend::Impl::Allocate() {
   launch_plan.row_runs.reserve(kRounds * (kMaxDirectRuns + 1));
   launch_plan.scratch_runs.reserve(kMaxDirectRuns + 1);
   launch_plan.out_runs.reserve(kMaxDirectRuns + 1);
+  for (Slot& slot : slots) slot.unpack_runs.reserve(2 * shape.max_batch_size);
   launch_plan.append_rows.reserve(shape.max_batch_size);
   launch_plan.scratch_rows.reserve(shape.max_batch_size);
   // The memsets ran on the legacy stream, which a non-blocking stream does not wait for.

@@ -34,6 +34,12 @@
 // (spinning first, then sleeping between polls); kernel_seconds is the event time of the
 // attention.
 //
+// Memory clients register (OpenDeviceMemory, PinHostMemory) joins the plan as ranges: rows in a
+// client's device memory are never read or written by the host; they travel by device-to-
+// device copies into the arena (after its host copy) and out of the output buffer, and a batch
+// whose outputs are one run of device memory has the kernel write them there (cuda_launch_
+// plan.h). Rows in pinned regions go direct as the ring's do.
+//
 // Errors: a bad batch (a page id, slot or size out of range) is INTERNAL and changes nothing.
 // Any CUDA error (or a batch not done within wait_timeout_ms) is INTERNAL with the CUDA error
 // string and is sticky: every later Launch and Wait returns it at once, so no caller hangs.
@@ -125,6 +131,30 @@ class CudaBackend final : public Backend {
   // reports that).
   bool Ready(const BackendBatch& batch) override;
   HostBlock TakeHostBlock(int64_t bytes) override;
+  // Registered memory (backend.h), cuda_backend_memory.cc. FAILED_PRECONDITION before Init.
+  // OpenDeviceMemory: `device_id` (the client's ordinal) must be this backend's device or one
+  // it can reach as a peer; the handle is opened with lazy peer access, and the allocation it
+  // names must lie on such a device too (the runtime's pointer attributes) and hold `bytes`
+  // from its first byte (the driver's address range of the allocation, looked up through the
+  // runtime's driver entry point). A handle the runtime cannot open (garbage, or of a process
+  // that has exited) is FAILED_PRECONDITION with the CUDA error; the error is cleared, the
+  // backend stays usable. Opening one allocation twice returns the same address (the runtime
+  // counts the opens); each open needs its close.
+  //
+  // A client process that exits (or frees the memory) while its allocation is open here: the
+  // CUDA documentation calls a cudaFree in the exporter before the importer's
+  // cudaIpcCloseMemHandle undefined behaviour. What a batch then reads or writes there is not
+  // defined; the backend itself keeps working as long as the device reports no error (a
+  // device error fails it as any other, see above). The engine therefore holds a region's
+  // lease for as long as a batch uses it, and the client contract says to unregister before
+  // freeing. tests/backend/cuda_ipc_test.cc records what the H200 does.
+  absl::StatusOr<char*> OpenDeviceMemory(std::string_view ipc_handle, int32_t device_id,
+                                         int64_t bytes) override;
+  void CloseDeviceMemory(char* data) override;
+  // cudaHostRegister (portable): the batches' copies from and to it go direct. A range that
+  // overlaps pinned memory already is FAILED_PRECONDITION.
+  absl::Status PinHostMemory(char* data, int64_t bytes) override;
+  void UnpinHostMemory(char* data) override;
 
   // Bytes of device memory Init takes beyond the pool (staging, outputs, decoder workspaces).
   int64_t staging_device_bytes() const;

@@ -4,13 +4,16 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/strings/string_view.h"
 #include "pagedattn/kernels/cuda_decode.h"
 #include "server/backend/copy_list.h"
@@ -68,6 +71,10 @@ struct Slot {
   bool timed = false;               // start/stop recorded (the batch has attention)
   bool timed_in = false;            // begin recorded
   OutputMode out = OutputMode::kCopyAndUnpack;  // how Wait finds the outputs
+  // kCopyAndUnpack of a batch with device output rows: the host runs Wait unpacks
+  // (LaunchPlan::out_runs, kept here since the next Launch re-plans).
+  bool unpack_by_runs = false;
+  std::vector<DeviceRun> unpack_runs;
   double plan_seconds = 0.0;  // the decoder's Plan, all rounds
   double pack_seconds = 0.0;  // host copies into host_in, all rounds of the batch
 };
@@ -104,12 +111,27 @@ struct CudaBackend::Impl {
   LaunchPlan launch_plan;                 // scratch of Launch: the batch's plan
   int64_t launches = 0;                   // batches enqueued (which of them record `begin`)
 
+  // Memory clients registered (cuda_backend_memory.cc): changed on RPC threads under
+  // regions_mu; Launch plans with its own copy, `ranges`, re-read when regions_version moved.
+  struct Registered {
+    MemoryRange range;  // a device allocation's whole extent, or the pinned bytes
+    char* data = nullptr;  // what OpenDeviceMemory returned (what closes it), or the pinned start
+    int32_t refs = 0;  // opens of one IPC allocation (the runtime returns the same address)
+  };
+  absl::Mutex regions_mu;
+  std::vector<Registered> regions ABSL_GUARDED_BY(regions_mu);  // sorted by range.begin
+  std::atomic<uint64_t> regions_version{0};
+  uint64_t ranges_version = 0;     // the version `ranges` was copied at
+  std::vector<MemoryRange> ranges;  // Launch's copy; plan_options.ranges points here
+
   ~Impl();
   absl::Status Fail(absl::Status s) {
     if (failed.ok()) failed = std::move(s);
     return failed;
   }
   absl::Status Allocate();
+  // Brings `ranges` up to date with `regions` (a lock only when they changed). Launch's thread.
+  void RefreshRanges();
   absl::Status WaitEvent(cudaEvent_t event, absl::string_view what);
   // Enqueues the batch as launch_plan says. *refused: the batch's page ids failed their check
   // (ValidatePoolPages, made once its first round's row copies are issued); nothing else was

@@ -95,6 +95,13 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch,
                                             OutputBytes(batch.plan.batch_size()),
                                             cudaMemcpyDeviceToHost, stream));
   }
+  // Output rows in a client's device memory: copied there on the device.
+  if (slot.timed) {
+    for (const DeviceRun& run : lp.out_device_runs) {
+      PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(run.host, slot.dev_out + run.offset, run.bytes,
+                                              cudaMemcpyDefault, stream));
+    }
+  }
   PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.done, stream));
   return absl::OkStatus();
 }
@@ -146,10 +153,19 @@ absl::Status CudaBackend::Impl::StageRound(Slot& slot, const BackendBatch& batch
       return absl::OkStatus();
     }
     slot.out = lp.output;
+    slot.unpack_by_runs = lp.unpack_runs;
+    if (lp.unpack_runs) slot.unpack_runs.assign(lp.out_runs.begin(), lp.out_runs.end());
   }
   const auto pack_begin = std::chrono::steady_clock::now();
   copies.Clear();
-  if (!rp.direct_rows) {
+  if (rp.packed_runs) {
+    // Rows in registered memory: the host rows packed run by run, the device rows left to
+    // their device copies below.
+    for (int32_t run_index = rp.runs_begin; run_index < rp.runs_end; ++run_index) {
+      const DeviceRun& run = lp.row_runs[run_index];
+      copies.Add(h + run.offset, run.host, run.bytes);
+    }
+  } else if (!rp.direct_rows) {
     for (int32_t s = 0; s < ns; ++s) {
       copies.Add(h + l.q + s * k::kQueryBytes, batch.q[r.seq_begin + s], k::kQueryBytes);
     }
@@ -165,10 +181,11 @@ absl::Status CudaBackend::Impl::StageRound(Slot& slot, const BackendBatch& batch
   if (r.num_tokens() > 0) {
     // A round whose tokens the kernel writes needs no slots (the plan has the places).
     TokenCursor cursor = rp.cursor;
+    const bool rows_packed = !rp.direct_rows && !rp.packed_runs;
     PackTokens(batch, r.num_tokens(), &cursor,
                rp.kernel_appends ? nullptr : reinterpret_cast<int64_t*>(h + l.slots),
-               rp.direct_rows ? nullptr : reinterpret_cast<uint16_t*>(h + l.k_rows),
-               rp.direct_rows ? nullptr : reinterpret_cast<uint16_t*>(h + l.v_rows), &copies);
+               rows_packed ? reinterpret_cast<uint16_t*>(h + l.k_rows) : nullptr,
+               rows_packed ? reinterpret_cast<uint16_t*>(h + l.v_rows) : nullptr, &copies);
   }
   // Non-temporal stores: the arena's next reader is the copy to the device below.
   copies.Run(copier.get(), CopyList::kDefaultParallelBytes, CopyList::Reader::kDevice);
@@ -184,6 +201,13 @@ absl::Status CudaBackend::Impl::StageRound(Slot& slot, const BackendBatch& batch
   } else {
     if (i == 0 && slot.timed_in) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.begin, stream));
     PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, h, end, cudaMemcpyHostToDevice, stream));
+  }
+  // Rows in a client's device memory, after the arena's copy from the host (which covers
+  // their bytes when the round is packed), on the same stream.
+  for (int32_t run_index = rp.device_begin; run_index < rp.device_end; ++run_index) {
+    const DeviceRun& run = lp.device_runs[run_index];
+    PA_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dev + run.offset, run.host, run.bytes, cudaMemcpyDefault, stream));
   }
   return absl::OkStatus();
 }
@@ -231,10 +255,13 @@ absl::Status CudaBackend::Impl::LaunchRound(Slot& slot, const BackendBatch& batc
       slot.timed = true;
     }
     // The outputs go into the slot's device buffer, or, when the kernel writes them, straight
-    // into the batch's host block as the device addresses it.
-    char* const out_base = slot.out == OutputMode::kKernelWrites
-                               ? ring_device + (launch_plan.out_runs[0].host - ring_memory)
-                               : slot.dev_out;
+    // into the batch's host block as the device addresses it, or into a client's device memory.
+    char* out_base = slot.dev_out;
+    if (slot.out == OutputMode::kKernelWrites) {
+      out_base = launch_plan.out_device
+                     ? launch_plan.out_runs[0].host
+                     : ring_device + (launch_plan.out_runs[0].host - ring_memory);
+    }
     const int32_t b = batch.plan.batch_size();
     k::DecodeArgs a;
     a.q = reinterpret_cast<const uint16_t*>(dev + l.q);
@@ -269,6 +296,7 @@ absl::Status CudaBackend::Launch(BackendBatch* batch) {
   }
   // The page ids are checked in Enqueue, once the row copies are issued.
   PA_RETURN_IF_ERROR(ValidateBatchShape(*batch, d.shape));
+  d.RefreshRanges();
   PA_RETURN_IF_ERROR(PlanLaunch(*batch, d.cap, d.plan_options, &d.launch_plan));
   // From here on a failure may leave work enqueued: the backend is failed for good.
   if (const cudaError_t e = cudaSetDevice(d.options.device); e != cudaSuccess) {
@@ -319,9 +347,17 @@ absl::Status CudaBackend::Wait(BackendBatch* batch) {
       const auto unpack_begin = std::chrono::steady_clock::now();
       const int32_t b = batch->plan.batch_size();
       d.copies.Clear();
-      for (int32_t i = 0; i < b; ++i) {
-        d.copies.Add(batch->output[i], slot.host_out + i * k::kQueryBytes, k::kQueryBytes);
-        d.copies.Add(batch->lse[i], slot.host_out + LseOffset(b) + i * k::kLseBytes, k::kLseBytes);
+      if (slot.unpack_by_runs) {
+        // Some output rows are a client's device memory (copied there on the device).
+        for (const DeviceRun& run : slot.unpack_runs) {
+          d.copies.Add(run.host, slot.host_out + run.offset, run.bytes);
+        }
+      } else {
+        for (int32_t i = 0; i < b; ++i) {
+          d.copies.Add(batch->output[i], slot.host_out + i * k::kQueryBytes, k::kQueryBytes);
+          d.copies.Add(batch->lse[i], slot.host_out + LseOffset(b) + i * k::kLseBytes,
+                       k::kLseBytes);
+        }
       }
       d.copies.Run(d.copier.get());
       batch->unpack_seconds = SecondsSince(unpack_begin);

@@ -1,6 +1,12 @@
 #include "server/backend/cuda_launch_plan.h"
 
 #include <algorithm>
+#include <iterator>
+#include <string_view>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "pagedattn/kernels/decode.h"
 
 namespace pagedattn {
 
@@ -32,6 +38,102 @@ void AdvanceCursor(const BackendBatch& batch, int64_t count, TokenCursor* cursor
   }
 }
 
+// Sorts the pieces of rows (a q, output or lse row, or the K or V rows of a run of tokens) by
+// the memory they lie in: host pieces into `host` runs, device pieces into `device` runs.
+class PieceSorter {
+ public:
+  PieceSorter(const LaunchPlanOptions& o, std::vector<DeviceRun>* host,
+              std::vector<DeviceRun>* device)
+      : o_(o), host_(host), device_(device) {
+    host_->clear();
+    device_->clear();
+  }
+  void Add(const void* data, int64_t offset, int64_t bytes) {
+    if (bytes == 0) return;
+    const char* const p = static_cast<const char*>(data);
+    const MemoryKind kind = Classify(p, p + bytes);
+    if (kind == MemoryKind::kDevice) {
+      AddRun(p, offset, bytes, device_);
+    } else {
+      pageable_ |= kind == MemoryKind::kPageable;
+      AddRun(p, offset, bytes, host_);
+    }
+  }
+  bool registered() const { return registered_; }  // a piece in a registered range
+  bool pageable() const { return pageable_; }
+  bool straddles() const { return straddles_; }    // a piece partly in device memory
+
+ private:
+  MemoryKind Classify(const char* p, const char* end) {
+    if (o_.ring != nullptr && p >= o_.ring && end <= o_.ring + o_.ring_bytes) {
+      return MemoryKind::kPinnedHost;
+    }
+    const std::vector<MemoryRange>& ranges = *o_.ranges;
+    auto next = std::upper_bound(ranges.begin(), ranges.end(), p,
+                                 [](const char* x, const MemoryRange& r) { return x < r.begin; });
+    if (next != ranges.begin() && p < std::prev(next)->end) {
+      const MemoryRange& r = *std::prev(next);
+      if (end <= r.end) {
+        registered_ = true;
+        return r.kind;
+      }
+      straddles_ |= r.kind == MemoryKind::kDevice;
+      return MemoryKind::kPageable;
+    }
+    straddles_ |= next != ranges.end() && end > next->begin && next->kind == MemoryKind::kDevice;
+    return MemoryKind::kPageable;
+  }
+
+  const LaunchPlanOptions& o_;
+  std::vector<DeviceRun>* const host_;
+  std::vector<DeviceRun>* const device_;
+  bool registered_ = false;
+  bool pageable_ = false;
+  bool straddles_ = false;
+};
+
+// The pieces of a round's rows in the arena, in RowRuns' order (q rows, K rows, V rows).
+void SortRowPieces(const BackendBatch& batch, const Round& r, TokenCursor cursor,
+                   const RoundLayout& l, PieceSorter* sorter) {
+  for (int32_t s = 0; s < r.num_sequences(); ++s) {
+    sorter->Add(batch.q[r.seq_begin + s], l.q + int64_t{s} * kernels::kQueryBytes,
+                kernels::kQueryBytes);
+  }
+  for (const bool k_side : {true, false}) {
+    TokenCursor c = cursor;
+    int64_t done = 0;
+    const int64_t base = k_side ? l.k_rows : l.v_rows;
+    while (done < r.num_tokens()) {
+      const TokenWrite& w = batch.writes[c.write];
+      const int64_t n = std::min<int64_t>(r.num_tokens() - done, w.num_tokens - c.offset);
+      const uint16_t* src = (k_side ? w.k : w.v) + int64_t{c.offset} * kernels::kTokenElems;
+      sorter->Add(src, base + done * kernels::kTokenBytes, n * kernels::kTokenBytes);
+      done += n;
+      c.offset += static_cast<int32_t>(n);
+      if (c.offset == w.num_tokens) {
+        ++c.write;
+        c.offset = 0;
+      }
+    }
+  }
+}
+
+// The pieces of a batch's outputs in the output buffer, in OutputRuns' order.
+void SortOutputPieces(const BackendBatch& batch, PieceSorter* sorter) {
+  const int32_t b = batch.plan.batch_size();
+  for (int32_t i = 0; i < b; ++i) {
+    sorter->Add(batch.output[i], int64_t{i} * kernels::kQueryBytes, kernels::kQueryBytes);
+  }
+  for (int32_t i = 0; i < b; ++i) {
+    sorter->Add(batch.lse[i], LseOffset(b) + i * kernels::kLseBytes, kernels::kLseBytes);
+  }
+}
+
+absl::Status Straddling(absl::string_view what) {
+  return absl::InternalError(
+      absl::StrCat("a batch's ", what, " row lies partly in registered device memory"));
+}
+
 }  // namespace
 
 absl::Status PlanLaunch(const BackendBatch& batch, const StagingCapacity& capacity,
@@ -42,6 +144,11 @@ absl::Status PlanLaunch(const BackendBatch& batch, const StagingCapacity& capaci
   plan->row_runs.clear();
   plan->append_rows.clear();
   plan->out_runs.clear();
+  plan->device_runs.clear();
+  plan->out_device_runs.clear();
+  plan->out_device = false;
+  plan->unpack_runs = false;
+  const bool registered = options.ranges != nullptr && !options.ranges->empty();
   const absl::Status split =
       SplitRounds(capacity, static_cast<int64_t>(batch.page_copies.size()), WrittenTokens(batch),
                   kp.kv_indptr, &plan->split);
@@ -66,12 +173,29 @@ absl::Status PlanLaunch(const BackendBatch& batch, const StagingCapacity& capaci
     rp.layout = LayoutRound(ns, rp.kv_indices, r.num_copies(), r.num_tokens(),
                             capacity.plan_bytes);
     rp.cursor = cursor;
+    bool sorted = false;
+    if (registered) {
+      PieceSorter sorter(options, &plan->scratch_runs, &plan->scratch_device);
+      SortRowPieces(batch, r, cursor, rp.layout, &sorter);
+      if (sorter.straddles()) return Straddling("q, k or v");
+      if (sorter.registered()) {
+        sorted = true;
+        rp.device_begin = static_cast<int32_t>(plan->device_runs.size());
+        plan->device_runs.insert(plan->device_runs.end(), plan->scratch_device.begin(),
+                                 plan->scratch_device.end());
+        rp.device_end = static_cast<int32_t>(plan->device_runs.size());
+        rp.direct_rows = !sorter.pageable() && plan->scratch_runs.size() <= max_runs;
+        rp.packed_runs = !rp.direct_rows;
+      }
+    }
     // An empty list of runs (a round of page copies only) counts as direct: only its tables
     // travel, in one copy.
-    rp.direct_rows = RowRuns(batch, r.seq_begin, ns, r.num_tokens(), cursor, rp.layout,
-                             &plan->scratch_runs, max_runs) &&
-                     InRing(plan->scratch_runs, options);
-    if (rp.direct_rows) {
+    if (!sorted) {
+      rp.direct_rows = RowRuns(batch, r.seq_begin, ns, r.num_tokens(), cursor, rp.layout,
+                               &plan->scratch_runs, max_runs) &&
+                       InRing(plan->scratch_runs, options);
+    }
+    if (rp.direct_rows || rp.packed_runs) {
       rp.runs_begin = static_cast<int32_t>(plan->row_runs.size());
       plan->row_runs.insert(plan->row_runs.end(), plan->scratch_runs.begin(),
                             plan->scratch_runs.end());
@@ -91,6 +215,26 @@ absl::Status PlanLaunch(const BackendBatch& batch, const StagingCapacity& capaci
   const int32_t b = kp.batch_size();
   plan->attention = b > 0;
   plan->output = OutputMode::kCopyAndUnpack;
+  if (b > 0 && registered) {
+    PieceSorter sorter(options, &plan->out_runs, &plan->out_device_runs);
+    SortOutputPieces(batch, &sorter);
+    if (sorter.straddles()) return Straddling("output or lse");
+    if (sorter.registered()) {
+      if (plan->out_runs.empty() && plan->out_device_runs.size() == 1 &&
+          options.kernel_writes_outputs) {
+        plan->output = OutputMode::kKernelWrites;
+        plan->out_device = true;
+        plan->out_runs.swap(plan->out_device_runs);
+      } else if (!sorter.pageable() && plan->out_runs.size() <= max_runs) {
+        plan->output = OutputMode::kCopyToBlocks;
+      } else {
+        plan->unpack_runs = true;
+      }
+      return absl::OkStatus();
+    }
+    plan->out_runs.clear();
+    plan->out_device_runs.clear();
+  }
   if (b > 0 && OutputRuns(batch, &plan->out_runs, max_runs) && InRing(plan->out_runs, options)) {
     plan->output = plan->out_runs.size() == 1 && options.kernel_writes_outputs
                        ? OutputMode::kKernelWrites

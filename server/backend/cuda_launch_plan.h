@@ -2,7 +2,16 @@
 // the rounds the batch is staged in and, per round, the arena layout, whether its q, K and V
 // rows are copied straight from the requests' host blocks or packed, whether the decode kernel
 // writes the round's new tokens itself or a scatter kernel does, and the inputs of the
-// decoder's plan; per batch, how the outputs come back. CudaBackend walks a LaunchPlan and only
+// decoder's plan; per batch, how the outputs come back.
+//
+// A row pointer of the batch (q, k/v, output, lse) lies in one of three kinds of memory, told
+// apart by the ranges the backend registered (LaunchPlanOptions::ranges) and its ring: device
+// memory (a client's CUDA IPC allocation), pinned host memory (the ring, or a client's region
+// that the backend pinned), or pageable host memory (anything else). Device rows are never
+// read or written by the host: they move by device-to-device copies, into the arena after the
+// arena's own host-to-device copy (which covers their bytes too), and out of the output buffer
+// after the kernel. A batch with no row in a registered range is planned exactly as before
+// registered memory existed (the same copies in the same order). CudaBackend walks a LaunchPlan and only
 // packs, plans the decoder into the arena, and issues copies, events and launches. Pure
 // function of its arguments (no CUDA call), so every decision is unit-tested without a GPU.
 #pragma once
@@ -19,13 +28,22 @@ namespace pagedattn {
 // How a batch's outputs reach its rows (BackendBatch::output and lse).
 enum class OutputMode {
   // The decode kernel stores them straight into the batch's one host block in the ring (mapped
-  // pinned memory): no copy back follows the kernel.
+  // pinned memory), or into a client's device memory (LaunchPlan::out_device): no copy back
+  // follows the kernel.
   kKernelWrites,
   // The kernel writes the device output buffer; one device-to-host copy per output run puts
   // them into the host blocks.
   kCopyToBlocks,
   // One copy of the whole output buffer into pinned staging, which Wait unpacks row by row.
   kCopyAndUnpack,
+};
+
+// Memory the backend registered for clients' rows.
+enum class MemoryKind : uint8_t { kPageable, kPinnedHost, kDevice };
+struct MemoryRange {
+  const char* begin = nullptr;
+  const char* end = nullptr;  // one past the last byte
+  MemoryKind kind = MemoryKind::kPageable;
 };
 
 struct LaunchPlanOptions {
@@ -41,6 +59,9 @@ struct LaunchPlanOptions {
   // A batch whose outputs are one run in the ring has the kernel write them there
   // (OutputMode::kKernelWrites); false: they are copied back (kCopyToBlocks).
   bool kernel_writes_outputs = true;
+  // Registered memory, sorted by begin, not overlapping; null or empty: none. A row that lies
+  // partly in a device range is a malformed batch (INTERNAL).
+  const std::vector<MemoryRange>* ranges = nullptr;
 };
 
 struct RoundPlan {
@@ -57,7 +78,13 @@ struct RoundPlan {
   // The rows (q, then K, then V) copied host block to arena, LaunchPlan::row_runs
   // [runs_begin, runs_end); false: packed into the arena with the tables.
   bool direct_rows = false;
+  // A round with rows in registered memory that is not direct: its host rows are packed from
+  // LaunchPlan::row_runs [runs_begin, runs_end) (device rows excluded) instead of row by row.
+  bool packed_runs = false;
   int32_t runs_begin = 0, runs_end = 0;
+  // The round's device rows: LaunchPlan::device_runs [device_begin, device_end), each one
+  // device-to-device copy into the arena, issued after the arena's host-to-device copies.
+  int32_t device_begin = 0, device_end = 0;
   // The decode kernel writes the round's tokens: LaunchPlan::append_rows [append_begin,
   // append_begin + num_sequences) are the decoder's append_rows. Else tokens, when the round
   // has any, go through the scatter kernel (and their slots through the arena).
@@ -70,17 +97,27 @@ struct RoundPlan {
 struct LaunchPlan {
   std::vector<RoundPlan> rounds;
   std::vector<int32_t> indptr;       // rebased kv_indptr of the later rounds with sequences
-  std::vector<DeviceRun> row_runs;   // direct rounds' row runs
+  std::vector<DeviceRun> row_runs;   // direct (or packed_runs) rounds' host row runs
+  std::vector<DeviceRun> device_runs;  // rounds' device rows (DeviceRun::host: a device address)
   std::vector<int32_t> append_rows;  // kernel-append rounds' rows (KernelAppendRows)
   bool attention = false;            // the batch has sequences (a decode kernel runs)
   OutputMode output = OutputMode::kCopyAndUnpack;
   // kCopyToBlocks: the runs of the outputs in the output buffer (OutputRuns). kKernelWrites:
   // its one run, whose host address the kernel writes (output rows, then lse rows).
+  // kCopyAndUnpack with unpack_runs: the host runs Wait unpacks (device rows left out).
   std::vector<DeviceRun> out_runs;
+  // kKernelWrites: out_runs[0].host is device memory (a client's), not the ring.
+  bool out_device = false;
+  // kCopyAndUnpack: Wait unpacks out_runs, not every output row (some rows are device memory).
+  bool unpack_runs = false;
+  // Device output rows: one device-to-device copy per run out of the output buffer, after the
+  // kernel (with any mode but kKernelWrites).
+  std::vector<DeviceRun> out_device_runs;
   // Scratch of PlanLaunch.
   std::vector<Round> split;
   std::vector<DeviceRun> scratch_runs;
   std::vector<int32_t> scratch_rows;
+  std::vector<DeviceRun> scratch_device;
 
   // The decoder's inputs of round r (CudaDecoder::PlanInto): kv_indptr [num_sequences + 1],
   // from 0; append_rows [num_sequences], or null when the scatter writes the round's tokens.

@@ -4,7 +4,7 @@
 #   server/backend/device_e2e.sh [BUNDLE]          (default .device/bundle)
 # Steps, in order (STEPS, default "tests server loadgen"):
 #   tests    the CUDA backend's test binaries (staging unit test, GPU test against the CPU
-#            backend and the engine); with KERNEL_TESTS=1 also the kernel's GPU test (long)
+#            backend and the engine, registered memory over CUDA IPC); with KERNEL_TESTS=1 also the kernel's GPU test (long)
 #   server   pagedattn-server --backend=cuda (pool sized by --gpu_memory_fraction), its health
 #            probe, a CLI round trip and a small loadgen run with the reference check; the
 #            server stays up for the next step
@@ -41,7 +41,8 @@ say "bundle: $(ls "$BIN" | tr '\n' ' ')"
 if has tests; then
   say "== tests"
   : > "$OUT/tests.log"
-  tests=(pagedattn_cuda_staging_test pagedattn_cuda_backend_test)
+  # pagedattn_cuda_ipc_test finds its peer process beside it in the bundle.
+  tests=(pagedattn_cuda_staging_test pagedattn_cuda_backend_test pagedattn_cuda_ipc_test)
   [[ ${KERNEL_TESTS:-0} == 1 ]] && tests+=(pagedattn_kernel_gpu_test)
   for t in "${tests[@]}"; do
     [[ -x $BIN/$t ]] || { say "skip $t (not in the bundle)"; continue; }

@@ -21,7 +21,8 @@ grep -q "pagedattn: CUDA kernels ON" "$build.configure.log" ||
   { echo "make_device_bundle: CUDA is not enabled in $build (nvcc missing?)" >&2; exit 1; }
 
 required=(pagedattn-server pagedattn-cli pagedattn-health pagedattn_cuda_backend_test)
-optional=(pagedattn-loadgen pagedattn_kernel_gpu_test pagedattn_cuda_staging_test)
+optional=(pagedattn-loadgen pagedattn_kernel_gpu_test pagedattn_cuda_staging_test
+          pagedattn_cuda_ipc_test pagedattn_cuda_ipc_peer)
 targets=("${required[@]}")
 available=$(cmake --build "$build" --target help | awk '{print $2}')
 for t in "${optional[@]}"; do

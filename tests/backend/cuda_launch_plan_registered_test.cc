@@ -1,0 +1,302 @@
+// PlanLaunch with memory that clients registered (cuda_launch_plan.h): rows in device memory
+// are never packed by the host, pinned regions count as the ring does, and a batch outside
+// every registered range is planned as before. The "device" memory here is host memory that
+// the plan is told is device memory: the plan never dereferences a row.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "pagedattn/kernels/decode.h"
+#include "server/backend/cuda_launch_plan.h"
+
+namespace pagedattn {
+namespace {
+
+namespace k = kernels;
+
+constexpr int32_t kLastLen = 7;
+
+// Requests of decode steps laid out as the engine lays out a host block or a client lays out a
+// region: q rows, K rows, V rows, output rows, lse rows.
+class Requests {
+ public:
+  char* Add(char* at, int32_t n) {
+    char* const q = at;
+    char* const kk = q + n * k::kQueryBytes;
+    char* const vv = kk + n * k::kTokenBytes;
+    char* const out = vv + n * k::kTokenBytes;
+    char* const lse = out + n * k::kQueryBytes;
+    if (batch_.plan.kv_indptr.empty()) batch_.plan.kv_indptr.push_back(0);
+    for (int32_t i = 0; i < n; ++i) {
+      const int32_t page = 20 + batch_.plan.batch_size();
+      batch_.plan.kv_indices.push_back(page);
+      batch_.plan.kv_indptr.push_back(static_cast<int32_t>(batch_.plan.kv_indices.size()));
+      batch_.plan.kv_last_page_len.push_back(kLastLen);
+      batch_.q.push_back(reinterpret_cast<const uint16_t*>(q + i * k::kQueryBytes));
+      batch_.output.push_back(reinterpret_cast<uint16_t*>(out + i * k::kQueryBytes));
+      batch_.lse.push_back(reinterpret_cast<float*>(lse + i * k::kLseBytes));
+      batch_.writes.push_back({reinterpret_cast<const uint16_t*>(kk + i * k::kTokenBytes),
+                               reinterpret_cast<const uint16_t*>(vv + i * k::kTokenBytes), 1,
+                               static_cast<int64_t>(batch_.write_slots.size())});
+      batch_.write_slots.push_back(int64_t{page} * k::kPageSize + kLastLen - 1);
+    }
+    batch_.sm_scale = 0.088f;
+    batch_.sequences_distinct = true;
+    return lse + n * k::kLseBytes;
+  }
+  BackendBatch& batch() { return batch_; }
+
+ private:
+  BackendBatch batch_;
+};
+
+StagingCapacity Capacity(int64_t staged_tokens = 8192) {
+  StagingCapacity c = StagingCapacity::For(
+      {.num_layers = 2, .num_pages = 100, .max_batch_size = 16}, staged_tokens);
+  c.plan_bytes = 4096;
+  return c;
+}
+
+bool Inside(const char* p, const std::vector<char>& memory) {
+  return p >= memory.data() && p < memory.data() + memory.size();
+}
+
+class RegisteredPlanTest : public ::testing::Test {
+ protected:
+  RegisteredPlanTest()
+      : ring_(int64_t{1} << 20), device_(int64_t{1} << 20), pinned_(int64_t{1} << 20),
+        pageable_(int64_t{1} << 20) {
+    ranges_.push_back({device_.data(), device_.data() + device_.size(), MemoryKind::kDevice});
+    ranges_.push_back({pinned_.data(), pinned_.data() + pinned_.size(), MemoryKind::kPinnedHost});
+    std::sort(ranges_.begin(), ranges_.end(),
+              [](const MemoryRange& a, const MemoryRange& b) { return a.begin < b.begin; });
+    options_.ring = ring_.data();
+    options_.ring_bytes = static_cast<int64_t>(ring_.size());
+    options_.ranges = &ranges_;
+  }
+  LaunchPlan Plan(const BackendBatch& batch, const StagingCapacity& cap = Capacity()) {
+    LaunchPlan plan;
+    const absl::Status s = PlanLaunch(batch, cap, options_, &plan);
+    EXPECT_TRUE(s.ok()) << s;
+    return plan;
+  }
+  // No host run (rows to copy or pack, outputs to copy or unpack) touches device memory.
+  void ExpectNoHostRunInDevice(const LaunchPlan& plan) {
+    for (const DeviceRun& run : plan.row_runs) EXPECT_FALSE(Inside(run.host, device_));
+    if (!plan.out_device) {
+      for (const DeviceRun& run : plan.out_runs) EXPECT_FALSE(Inside(run.host, device_));
+    }
+    for (const DeviceRun& run : plan.device_runs) EXPECT_TRUE(Inside(run.host, device_));
+    for (const DeviceRun& run : plan.out_device_runs) EXPECT_TRUE(Inside(run.host, device_));
+  }
+
+  std::vector<char> ring_, device_, pinned_, pageable_;
+  std::vector<MemoryRange> ranges_;
+  LaunchPlanOptions options_;
+};
+
+TEST_F(RegisteredPlanTest, OneRequestInDeviceMemoryIsCopiedOnTheDeviceAndTheKernelWritesThere) {
+  Requests r;
+  char* const block = device_.data() + 8192;
+  char* const end = r.Add(block, 3);
+  const LaunchPlan plan = Plan(r.batch());
+  ASSERT_EQ(plan.rounds.size(), 1u);
+  const RoundPlan& rp = plan.rounds[0];
+  // Only the tables go from the host; the rows are one device-to-device copy.
+  EXPECT_TRUE(rp.direct_rows);
+  EXPECT_EQ(rp.runs_end, rp.runs_begin);
+  ASSERT_EQ(rp.device_end - rp.device_begin, 1);
+  EXPECT_EQ(plan.device_runs[rp.device_begin].host, block);
+  EXPECT_EQ(plan.device_runs[rp.device_begin].offset, 0);
+  EXPECT_EQ(plan.device_runs[rp.device_begin].bytes, rp.layout.indices);
+  EXPECT_TRUE(rp.kernel_appends);  // from the arena, where the device copy put the rows
+  EXPECT_EQ(plan.output, OutputMode::kKernelWrites);
+  EXPECT_TRUE(plan.out_device);
+  ASSERT_EQ(plan.out_runs.size(), 1u);
+  EXPECT_EQ(plan.out_runs[0].host + plan.out_runs[0].bytes, end);
+  EXPECT_EQ(plan.out_runs[0].bytes, OutputBytes(3));
+  EXPECT_TRUE(plan.out_device_runs.empty());
+}
+
+TEST_F(RegisteredPlanTest, WithoutKernelWritesDeviceOutputsAreCopiedOnTheDevice) {
+  options_.kernel_writes_outputs = false;
+  Requests r;
+  r.Add(device_.data(), 2);
+  const LaunchPlan plan = Plan(r.batch());
+  EXPECT_EQ(plan.output, OutputMode::kCopyToBlocks);
+  EXPECT_FALSE(plan.out_device);
+  EXPECT_TRUE(plan.out_runs.empty());
+  ASSERT_EQ(plan.out_device_runs.size(), 1u);
+  EXPECT_EQ(plan.out_device_runs[0].offset, 0);
+  EXPECT_EQ(plan.out_device_runs[0].bytes, OutputBytes(2));
+}
+
+TEST_F(RegisteredPlanTest, DeviceRowsOfAMixedBatchAreNeverPackedNorUnpacked) {
+  Requests r;
+  r.Add(pageable_.data(), 2);                  // packed: not pinned
+  char* const dev = device_.data() + 4096;
+  r.Add(dev, 3);
+  const LaunchPlan plan = Plan(r.batch());
+  ASSERT_EQ(plan.rounds.size(), 1u);
+  const RoundPlan& rp = plan.rounds[0];
+  EXPECT_FALSE(rp.direct_rows);
+  EXPECT_TRUE(rp.packed_runs);
+  // Host runs: the pageable request's q, K and V rows; device runs: the other's.
+  ASSERT_EQ(rp.runs_end - rp.runs_begin, 3);
+  EXPECT_EQ(plan.row_runs[rp.runs_begin].host, pageable_.data());
+  EXPECT_EQ(plan.row_runs[rp.runs_begin].bytes, 2 * k::kQueryBytes);
+  ASSERT_EQ(rp.device_end - rp.device_begin, 3);
+  const DeviceRun& q = plan.device_runs[rp.device_begin];
+  EXPECT_EQ(q.host, dev);
+  EXPECT_EQ(q.offset, rp.layout.q + 2 * k::kQueryBytes);
+  EXPECT_EQ(q.bytes, 3 * k::kQueryBytes);
+  EXPECT_EQ(plan.device_runs[rp.device_begin + 1].offset, rp.layout.k_rows + 2 * k::kTokenBytes);
+  EXPECT_EQ(plan.device_runs[rp.device_begin + 2].offset, rp.layout.v_rows + 2 * k::kTokenBytes);
+  // Outputs: the host rows unpacked run by run, the device rows copied on the device.
+  EXPECT_EQ(plan.output, OutputMode::kCopyAndUnpack);
+  EXPECT_TRUE(plan.unpack_runs);
+  ASSERT_EQ(plan.out_runs.size(), 2u);
+  EXPECT_EQ(plan.out_runs[0].offset, 0);
+  EXPECT_EQ(plan.out_runs[1].offset, LseOffset(5));
+  ASSERT_EQ(plan.out_device_runs.size(), 2u);
+  EXPECT_EQ(plan.out_device_runs[0].offset, 2 * k::kQueryBytes);
+  EXPECT_EQ(plan.out_device_runs[0].bytes, 3 * k::kQueryBytes);
+  EXPECT_EQ(plan.out_device_runs[1].offset, LseOffset(5) + 2 * k::kLseBytes);
+  EXPECT_EQ(plan.out_device_runs[1].bytes, 3 * k::kLseBytes);
+  ExpectNoHostRunInDevice(plan);
+}
+
+TEST_F(RegisteredPlanTest, RingAndDeviceRowsGoDirectAndComeBackRunByRun) {
+  Requests r;
+  r.Add(ring_.data(), 2);
+  r.Add(device_.data(), 1);
+  const LaunchPlan plan = Plan(r.batch());
+  const RoundPlan& rp = plan.rounds[0];
+  EXPECT_TRUE(rp.direct_rows);
+  EXPECT_FALSE(rp.packed_runs);
+  EXPECT_EQ(rp.runs_end - rp.runs_begin, 3);
+  EXPECT_EQ(rp.device_end - rp.device_begin, 3);
+  EXPECT_EQ(plan.output, OutputMode::kCopyToBlocks);
+  EXPECT_EQ(plan.out_runs.size(), 2u);
+  EXPECT_EQ(plan.out_device_runs.size(), 2u);
+  ExpectNoHostRunInDevice(plan);
+}
+
+TEST_F(RegisteredPlanTest, APinnedRegionGoesDirectButIsNeverWrittenByTheKernel) {
+  Requests r;
+  r.Add(pinned_.data() + 128, 2);
+  const LaunchPlan plan = Plan(r.batch());
+  const RoundPlan& rp = plan.rounds[0];
+  EXPECT_TRUE(rp.direct_rows);
+  EXPECT_EQ(rp.runs_end - rp.runs_begin, 1);
+  EXPECT_EQ(rp.device_end, rp.device_begin);
+  EXPECT_EQ(plan.output, OutputMode::kCopyToBlocks);
+  EXPECT_FALSE(plan.out_device);
+  EXPECT_EQ(plan.out_runs.size(), 1u);
+}
+
+TEST_F(RegisteredPlanTest, PinnedRowsPastTheDirectLimitArePackedAroundTheDeviceRows) {
+  options_.max_direct_runs = 2;
+  Requests r;
+  r.Add(pinned_.data(), 1);
+  r.Add(device_.data(), 1);
+  r.Add(pinned_.data() + 65536, 1);
+  const LaunchPlan plan = Plan(r.batch());
+  const RoundPlan& rp = plan.rounds[0];
+  EXPECT_TRUE(rp.packed_runs);
+  EXPECT_EQ(rp.runs_end - rp.runs_begin, 6);
+  EXPECT_EQ(rp.device_end - rp.device_begin, 3);
+  EXPECT_EQ(plan.output, OutputMode::kCopyAndUnpack);
+  EXPECT_TRUE(plan.unpack_runs);
+  EXPECT_EQ(plan.out_runs.size(), 4u);
+  EXPECT_EQ(plan.out_device_runs.size(), 2u);
+  ExpectNoHostRunInDevice(plan);
+}
+
+TEST_F(RegisteredPlanTest, ABatchOutsideRegisteredMemoryIsPlannedAsWithoutAny) {
+  for (const bool in_ring : {true, false}) {
+    Requests r;
+    r.Add(in_ring ? ring_.data() : pageable_.data(), 2);
+    r.Add((in_ring ? ring_.data() : pageable_.data()) + 262144, 3);
+    LaunchPlanOptions plain = options_;
+    plain.ranges = nullptr;
+    LaunchPlan without;
+    ASSERT_TRUE(PlanLaunch(r.batch(), Capacity(), plain, &without).ok());
+    const LaunchPlan with = Plan(r.batch());
+    ASSERT_EQ(with.rounds.size(), without.rounds.size());
+    EXPECT_EQ(with.rounds[0].direct_rows, without.rounds[0].direct_rows);
+    EXPECT_EQ(with.rounds[0].direct_rows, in_ring);
+    EXPECT_FALSE(with.rounds[0].packed_runs);
+    EXPECT_TRUE(with.device_runs.empty());
+    ASSERT_EQ(with.row_runs.size(), without.row_runs.size());
+    for (size_t i = 0; i < with.row_runs.size(); ++i) {
+      EXPECT_EQ(with.row_runs[i].host, without.row_runs[i].host);
+      EXPECT_EQ(with.row_runs[i].offset, without.row_runs[i].offset);
+      EXPECT_EQ(with.row_runs[i].bytes, without.row_runs[i].bytes);
+    }
+    EXPECT_EQ(with.output, without.output);
+    EXPECT_EQ(with.out_runs.size(), without.out_runs.size());
+    EXPECT_FALSE(with.unpack_runs);
+    EXPECT_TRUE(with.out_device_runs.empty());
+  }
+}
+
+TEST_F(RegisteredPlanTest, AnAppendFromDeviceMemoryIsCopiedOnTheDeviceInEveryRound) {
+  // An AppendKV of 40 tokens from device memory, staged 16 tokens a round.
+  BackendBatch batch;
+  constexpr int32_t kTokens = 40;
+  char* const kk = device_.data();
+  char* const vv = kk + kTokens * k::kTokenBytes;
+  batch.writes.push_back({reinterpret_cast<const uint16_t*>(kk),
+                          reinterpret_cast<const uint16_t*>(vv), kTokens, 0});
+  for (int32_t t = 0; t < kTokens; ++t) batch.write_slots.push_back(64 + t);
+  const LaunchPlan plan = Plan(batch, Capacity(/*staged_tokens=*/16));
+  ASSERT_EQ(plan.rounds.size(), 3u);
+  int64_t token = 0;
+  for (const RoundPlan& rp : plan.rounds) {
+    EXPECT_TRUE(rp.direct_rows);  // only the slots travel from the host
+    EXPECT_TRUE(rp.scatter());
+    EXPECT_EQ(rp.runs_end, rp.runs_begin);
+    ASSERT_EQ(rp.device_end - rp.device_begin, 2);
+    const DeviceRun& k_run = plan.device_runs[rp.device_begin];
+    const DeviceRun& v_run = plan.device_runs[rp.device_begin + 1];
+    EXPECT_EQ(k_run.host, kk + token * k::kTokenBytes);
+    EXPECT_EQ(k_run.offset, rp.layout.k_rows);
+    EXPECT_EQ(k_run.bytes, rp.round.num_tokens() * k::kTokenBytes);
+    EXPECT_EQ(v_run.host, vv + token * k::kTokenBytes);
+    EXPECT_EQ(v_run.offset, rp.layout.v_rows);
+    token += rp.round.num_tokens();
+  }
+  EXPECT_EQ(token, kTokens);
+}
+
+TEST_F(RegisteredPlanTest, ARowPartlyInDeviceMemoryIsRefused) {
+  Requests r;
+  r.Add(device_.data() + device_.size() - k::kQueryBytes / 2, 1);
+  LaunchPlan plan;
+  const absl::Status s = PlanLaunch(r.batch(), Capacity(), options_, &plan);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+  Requests before;
+  before.Add(device_.data() - k::kQueryBytes / 2, 1);
+  EXPECT_EQ(PlanLaunch(before.batch(), Capacity(), options_, &plan).code(),
+            absl::StatusCode::kInternal);
+}
+
+TEST_F(RegisteredPlanTest, AReusedPlanKeepsNoDeviceRunsOfThePreviousBatch) {
+  Requests dev;
+  dev.Add(device_.data(), 2);
+  LaunchPlan plan = Plan(dev.batch());
+  ASSERT_FALSE(plan.device_runs.empty());
+  Requests host;
+  host.Add(ring_.data(), 2);
+  ASSERT_TRUE(PlanLaunch(host.batch(), Capacity(), options_, &plan).ok());
+  EXPECT_TRUE(plan.device_runs.empty());
+  EXPECT_TRUE(plan.out_device_runs.empty());
+  EXPECT_FALSE(plan.out_device);
+  EXPECT_FALSE(plan.rounds[0].packed_runs);
+  EXPECT_EQ(plan.output, OutputMode::kKernelWrites);
+}
+
+}  // namespace
+}  // namespace pagedattn
