@@ -20,8 +20,13 @@ struct Phase {
 
 class Caller {
  public:
-  Caller(RunState& state, client::Client* client, std::vector<int32_t> batches)
-      : state_(state), client_(client), batches_(std::move(batches)), retired_(batches_.size(), false) {}
+  // index: the caller's number, which gives it its own areas of state.slots.
+  Caller(RunState& state, client::Client* client, std::vector<int32_t> batches, int32_t index)
+      : state_(state),
+        client_(client),
+        batches_(std::move(batches)),
+        retired_(batches_.size(), false),
+        first_slot_(index * state.slots_per_caller) {}
 
   void RunUnary(const Phase& phase) {
     const int64_t total = phase.steps_per_batch * static_cast<int64_t>(batches_.size());
@@ -42,6 +47,7 @@ class Caller {
   struct Pending {
     int32_t batch = 0;
     int32_t layer = 0;
+    int32_t slot = 0;
     uint64_t request_id = 0;
     SteadyClock::time_point sent, step_start;
     std::vector<int64_t> tickets;
@@ -80,12 +86,13 @@ class Caller {
     std::vector<int64_t> tickets;
     for (int32_t layer = 0; layer < state_.num_layers; ++layer) {
       for (int32_t attempt = 0;; ++attempt) {
-        v1::DecodeRequest request = MakeDecodeRequest(state_, batch, layer, ++request_id_, &tickets);
+        v1::DecodeRequest request =
+            MakeDecodeRequest(state_, batch, layer, ++request_id_, &tickets, first_slot_);
         const SteadyClock::time_point t0 = SteadyClock::now();
         absl::StatusOr<v1::DecodeResponse> response = client_->Decode(request);
         const SteadyClock::time_point t1 = SteadyClock::now();
         absl::Status status = response.status();
-        if (status.ok()) status = TakeDecodeResponse(state_, batch, layer, *response, tickets);
+        if (status.ok()) status = TakeDecodeResponse(state_, batch, layer, *response, tickets, first_slot_);
         if (status.ok()) {
           if (timed) samples_.Add("Decode", SecondsBetween(t0, t1));
           break;
@@ -112,6 +119,7 @@ class Caller {
   std::vector<bool> retired_;
   size_t next_ = 0;
   uint64_t request_id_ = 0;
+  const int32_t first_slot_;  // this caller's areas: [first_slot_, + slots_per_caller)
   Samples samples_;
 };
 
@@ -140,7 +148,11 @@ bool Caller::RunStream(const Phase& phase, client::DecodeStream* stream) {
       p.layer = layer;
       p.request_id = ++request_id_;
       p.step_start = step_start;
-      v1::DecodeRequest request = MakeDecodeRequest(state_, batch, layer, p.request_id, &p.tickets);
+      // Requests are answered in order, so the one sent slots_per_caller (>= in_flight) writes
+      // ago is done: its area is free again.
+      p.slot = first_slot_ + static_cast<int32_t>(p.request_id % static_cast<uint64_t>(state_.slots_per_caller));
+      v1::DecodeRequest request =
+          MakeDecodeRequest(state_, batch, layer, p.request_id, &p.tickets, p.slot);
       p.sent = SteadyClock::now();
       if (!stream->Write(request)) return false;
       pending.push_back(std::move(p));
@@ -156,7 +168,7 @@ bool Caller::RunStream(const Phase& phase, client::DecodeStream* stream) {
     if (status.ok()) {
       status = response.request_id() != p.request_id
                    ? absl::InternalError("DecodeStream answered out of order")
-                   : TakeDecodeResponse(state_, p.batch, p.layer, response, p.tickets);
+                   : TakeDecodeResponse(state_, p.batch, p.layer, response, p.tickets, p.slot);
     }
     if (!status.ok()) {
       state_.CountError(status);
@@ -186,7 +198,7 @@ void WarmupUnary(RunState& state, int32_t threads) {
       mine.push_back(static_cast<int32_t>(b));
     }
     workers.emplace_back([&state, t, mine = std::move(mine)] {
-      Caller caller(state, state.CallerClient(static_cast<size_t>(t)), mine);
+      Caller caller(state, state.CallerClient(static_cast<size_t>(t)), mine, t);  // inline only
       Phase warmup;
       warmup.steps_per_batch = state.options.warmup_steps;
       caller.RunUnary(warmup);
@@ -218,7 +230,8 @@ absl::Status RunClosedLoop(RunState& state, const std::function<void()>& start_t
     for (size_t b = static_cast<size_t>(c); b < state.batches.size(); b += static_cast<size_t>(callers)) {
       mine.push_back(static_cast<int32_t>(b));
     }
-    all.push_back(std::make_unique<Caller>(state, state.CallerClient(static_cast<size_t>(c)), std::move(mine)));
+    all.push_back(std::make_unique<Caller>(state, state.CallerClient(static_cast<size_t>(c)),
+                                           std::move(mine), c));
   }
   std::vector<std::thread> threads;
   for (int32_t c = 0; c < callers; ++c) {

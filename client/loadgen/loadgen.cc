@@ -26,6 +26,12 @@ absl::Status Validate(const LoadGenOptions& o, const v1::GetModelConfigResponse&
   if (o.mode == "open" && o.api != "unary") return absl::InvalidArgumentError("the open loop uses unary calls only");
   if (o.mode == "open" && !(o.rate > 0)) return absl::InvalidArgumentError("the open loop needs a rate > 0");
   if (o.arrival != "poisson" && o.arrival != "fixed") return absl::InvalidArgumentError("arrival must be poisson or fixed");
+  if (o.tensors != "inline" && o.tensors != "system" && o.tensors != "cuda") {
+    return absl::InvalidArgumentError("tensors must be inline, system or cuda");
+  }
+  if (o.tensors != "inline" && o.mode != "closed") {
+    return absl::InvalidArgumentError("tensors by reference (system, cuda) need the closed loop");
+  }
   if (o.concurrency < 1) return absl::InvalidArgumentError("concurrency must be >= 1");
   if (o.batch_size < 1 || o.batch_size > config.max_batch_size()) {
     return absl::InvalidArgumentError(absl::StrCat("batch_size must be in 1..", config.max_batch_size(),
@@ -211,6 +217,14 @@ absl::StatusOr<Json> RunLoad(const LoadGenOptions& o, client::Client* client,
       std::max<int64_t>(1, std::min<int64_t>(o.prefill_chunk_tokens, (limit - (64 << 10)) / (2 * kKvRowBytes))));
   const int64_t largest_slice = std::max<int64_t>(int64_t{chunk} * kKvRowBytes, int64_t{o.batch_size} * kQueryBytes);
   state.pool = std::make_unique<RandomPool>(std::max<int64_t>(16 << 20, 4 * largest_slice), o.seed);
+  if (o.tensors != "inline") {
+    state.slots_per_caller = o.api == "stream" ? std::max(1, o.stream_in_flight) : 1;
+    absl::StatusOr<std::unique_ptr<TensorSlots>> slots =
+        TensorSlots::Create(o.tensors, client, o.concurrency * state.slots_per_caller, o.batch_size,
+                            o.cuda_device, *state.pool);
+    if (!slots.ok()) return slots.status();
+    state.slots = *std::move(slots);
+  }
 
   ReferenceCheck::Options check_options;
   if (o.check_sequences > 0) {

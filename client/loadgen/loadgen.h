@@ -44,6 +44,10 @@ struct LoadGenOptions {
   double rate = 0;                   // open loop: steps per second (> 0)
   std::string arrival = "poisson";   // open loop: poisson | fixed
   int32_t stream_in_flight = 1;      // stream: requests in flight per stream
+  // Where Decode tensors travel: inline (in the messages), system (a registered shared-memory
+  // region) or cuda (registered device memory of cuda_device); closed loop only.
+  std::string tensors = "inline";
+  int32_t cuda_device = 0;
   int32_t max_retries = 10;          // UNAVAILABLE answers retried per request
   std::string metrics_address;       // the server's Prometheus host:port; empty: not read
   // GetModelConfig round trips timed before the timed phase: the RPC floor of this client and

@@ -62,6 +62,11 @@ ABSL_FLAG(int64_t, warmup_steps, 2, "Untimed steps per batch before the timed ph
 ABSL_FLAG(double, rate, 0, "Open loop: steps per second");
 ABSL_FLAG(std::string, arrival, "poisson", "Open loop: poisson | fixed");
 ABSL_FLAG(int32_t, stream_in_flight, 1, "Stream: requests in flight per stream (layers/steps pipelined)");
+ABSL_FLAG(std::string, tensors, "inline",
+          "Where Decode tensors travel: inline (in the messages), system (a registered shared-memory "
+          "region, written and read in place) or cuda (registered device memory, CUDA builds); "
+          "closed loop only");
+ABSL_FLAG(int32_t, cuda_device, 0, "--tensors=cuda: the CUDA device of the registered memory");
 ABSL_FLAG(int32_t, max_retries, 10, "Retries of a Decode answered UNAVAILABLE");
 
 ABSL_FLAG(int32_t, rpc_floor_samples, 200,
@@ -115,6 +120,8 @@ pagedattn::loadgen::LoadGenOptions OptionsFromFlags() {
   o.rate = absl::GetFlag(FLAGS_rate);
   o.arrival = absl::GetFlag(FLAGS_arrival);
   o.stream_in_flight = absl::GetFlag(FLAGS_stream_in_flight);
+  o.tensors = absl::GetFlag(FLAGS_tensors);
+  o.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   o.max_retries = absl::GetFlag(FLAGS_max_retries);
   o.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   o.rpc_floor_samples = absl::GetFlag(FLAGS_rpc_floor_samples);

@@ -1,6 +1,8 @@
 #include "client/loadgen/run_state.h"
 
+#include <algorithm>
 #include <cstring>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 
@@ -18,7 +20,7 @@ void RunState::Retire(int32_t batch, const absl::Status& why) {
 }
 
 v1::DecodeRequest MakeDecodeRequest(RunState& state, int32_t batch, int32_t layer, uint64_t request_id,
-                                    std::vector<int64_t>* tickets) {
+                                    std::vector<int64_t>* tickets, int32_t slot) {
   const std::vector<int32_t>& members = state.batches[static_cast<size_t>(batch)];
   const int64_t b = static_cast<int64_t>(members.size());
   v1::DecodeRequest request;
@@ -26,21 +28,29 @@ v1::DecodeRequest MakeDecodeRequest(RunState& state, int32_t batch, int32_t laye
   request.set_layer(layer);
   request.set_sm_scale(state.options.sm_scale);
   for (const int32_t s : members) request.add_sequence_ids(state.sequences[static_cast<size_t>(s)].id);
-  request.set_q(state.pool->Slice(b * kQueryBytes));
-  if (state.options.decode_kv) {
-    request.set_k(state.pool->Slice(b * kKvRowBytes));
-    request.set_v(state.pool->Slice(b * kKvRowBytes));
+  const bool by_ref = state.slots != nullptr;
+  if (by_ref) {
+    state.slots->Refer(slot, b, state.options.decode_kv, &request);
+  } else {
+    request.set_q(state.pool->Slice(b * kQueryBytes));
+    if (state.options.decode_kv) {
+      request.set_k(state.pool->Slice(b * kKvRowBytes));
+      request.set_v(state.pool->Slice(b * kKvRowBytes));
+    }
   }
+  const absl::string_view all_q = by_ref ? state.slots->Q(slot, b) : absl::string_view(request.q());
+  const absl::string_view all_k = by_ref ? state.slots->K(slot, b) : absl::string_view(request.k());
+  const absl::string_view all_v = by_ref ? state.slots->V(slot, b) : absl::string_view(request.v());
   tickets->assign(static_cast<size_t>(b), -1);
   if (state.check != nullptr) {
     for (int64_t i = 0; i < b; ++i) {
       const uint64_t id = state.sequences[static_cast<size_t>(members[static_cast<size_t>(i)])].id;
       if (!state.check->IsSampled(id)) continue;
-      const absl::string_view q = absl::string_view(request.q()).substr(i * kQueryBytes, kQueryBytes);
+      const absl::string_view q = all_q.substr(i * kQueryBytes, kQueryBytes);
       absl::string_view k, v;
       if (state.options.decode_kv) {
-        k = absl::string_view(request.k()).substr(i * kKvRowBytes, kKvRowBytes);
-        v = absl::string_view(request.v()).substr(i * kKvRowBytes, kKvRowBytes);
+        k = all_k.substr(i * kKvRowBytes, kKvRowBytes);
+        v = all_v.substr(i * kKvRowBytes, kKvRowBytes);
       }
       (*tickets)[static_cast<size_t>(i)] = state.check->OnDecodeSent(id, layer, q, k, v);
     }
@@ -49,20 +59,32 @@ v1::DecodeRequest MakeDecodeRequest(RunState& state, int32_t batch, int32_t laye
 }
 
 absl::Status TakeDecodeResponse(RunState& state, int32_t batch, int32_t layer,
-                                const v1::DecodeResponse& response, const std::vector<int64_t>& tickets) {
+                                const v1::DecodeResponse& response, const std::vector<int64_t>& tickets,
+                                int32_t slot) {
   const std::vector<int32_t>& members = state.batches[static_cast<size_t>(batch)];
   const int64_t b = static_cast<int64_t>(members.size());
-  if (static_cast<int64_t>(response.output().size()) != b * kQueryBytes ||
-      static_cast<int64_t>(response.lse().size()) != b * kLseBytes) {
+  // By reference the results are in the slot and the response carries none.
+  const int64_t want_output = state.slots != nullptr ? 0 : b * kQueryBytes;
+  const int64_t want_lse = state.slots != nullptr ? 0 : b * kLseBytes;
+  if (static_cast<int64_t>(response.output().size()) != want_output ||
+      static_cast<int64_t>(response.lse().size()) != want_lse) {
     return absl::InternalError(absl::StrCat("Decode response of ", response.output().size(), " output and ",
                                             response.lse().size(), " lse bytes for ", b, " sequences"));
   }
-  if (state.check != nullptr) {
+  if (state.check != nullptr &&
+      std::any_of(tickets.begin(), tickets.end(), [](int64_t t) { return t >= 0; })) {
+    std::string read_output, read_lse;
+    absl::string_view output = response.output(), lse = response.lse();
+    if (state.slots != nullptr) {
+      if (absl::Status s = state.slots->ReadOutputs(slot, b, &read_output, &read_lse); !s.ok()) return s;
+      output = read_output;
+      lse = read_lse;
+    }
     for (int64_t i = 0; i < b; ++i) {
       const int64_t ticket = tickets[static_cast<size_t>(i)];
       if (ticket < 0) continue;
-      state.check->OnDecodeDone(ticket, absl::string_view(response.output()).substr(i * kQueryBytes, kQueryBytes),
-                                absl::string_view(response.lse()).substr(i * kLseBytes, kLseBytes));
+      state.check->OnDecodeDone(ticket, output.substr(i * kQueryBytes, kQueryBytes),
+                                lse.substr(i * kLseBytes, kLseBytes));
     }
   }
   const int64_t extra = state.options.decode_kv ? 1 : 0;

@@ -25,6 +25,7 @@
 #include "client/loadgen/loadgen.h"
 #include "client/loadgen/random_pool.h"
 #include "client/loadgen/reference_check.h"
+#include "client/loadgen/tensor_slots.h"
 
 namespace pagedattn::loadgen {
 
@@ -56,6 +57,10 @@ struct RunState {
   std::vector<Sequence> sequences;
   std::vector<std::vector<int32_t>> batches;  // indices into sequences
   std::unique_ptr<RandomPool> pool;
+  // --tensors=system|cuda: the registered areas requests refer to (null: inline tensors).
+  // Closed-loop caller c uses slots [c * per_caller, (c + 1) * per_caller).
+  std::unique_ptr<TensorSlots> slots;
+  int32_t slots_per_caller = 1;
   std::unique_ptr<ReferenceCheck> check;      // null when off
 
   // The timed phase.
@@ -90,14 +95,16 @@ struct RunState {
 
 // A Decode of batch `batch` at `layer`: random q (and new k/v when decode_kv) from the pool;
 // sampled sequences are reported to the check, their tickets (or -1) in *tickets.
+// slot: the request's area in state.slots when tensors go by reference (ignored otherwise).
 v1::DecodeRequest MakeDecodeRequest(RunState& state, int32_t batch, int32_t layer, uint64_t request_id,
-                                    std::vector<int64_t>* tickets);
+                                    std::vector<int64_t>* tickets, int32_t slot = 0);
 
 // Takes the response of MakeDecodeRequest's request: checks its sizes (INTERNAL if wrong),
 // hands the sampled outputs to the check, counts the timed phase and, after the last layer of
 // a step, grows the sequences' lengths.
 absl::Status TakeDecodeResponse(RunState& state, int32_t batch, int32_t layer,
-                                const v1::DecodeResponse& response, const std::vector<int64_t>& tickets);
+                                const v1::DecodeResponse& response, const std::vector<int64_t>& tickets,
+                                int32_t slot = 0);
 
 // A failed Decode of batch: the check stops following its sampled sequences.
 void DropFromCheck(RunState& state, int32_t batch);
