@@ -125,7 +125,7 @@ TEST_F(CudaIpcEngineTest, DecodeStepsWithTensorsInDeviceMemoryGiveTheInlineBytes
   ASSERT_EQ(static_cast<int64_t>(want->output.size()), 2 * k::kQueryBytes);
 
   const auto view = [](char* d, int64_t offset, int64_t n) {
-    return Tensor::View(d + offset, n, /*on_device=*/true, nullptr);
+    return Tensor::View(d + offset, n, /*on_device=*/true, RegionLease());
   };
   for (int set = 1; set <= 3; ++set) {
     SCOPED_TRACE(set);
@@ -175,8 +175,8 @@ TEST_F(CudaIpcEngineTest, AnAppendFromDeviceMemoryWritesWhatAnInlineOneWrites) {
   AppendWork device_work;
   device_work.sequence_id = 42;
   device_work.num_tokens = kTokens;
-  device_work.k = Tensor::View(d, rows, true, nullptr);
-  device_work.v = Tensor::View(d + rows, rows, true, nullptr);
+  device_work.k = Tensor::View(d, rows, true, RegionLease());
+  device_work.v = Tensor::View(d + rows, rows, true, RegionLease());
   ASSERT_TRUE(AppendNow(*engine_, std::move(device_work)).ok());
   const std::string q = ToBytes(RandomBf16(k::kQueryElems, rng_));
   std::string out[2], lse[2];

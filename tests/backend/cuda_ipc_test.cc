@@ -110,7 +110,6 @@ class CudaIpcTest : public ::testing::Test {
   // One decode step of every sequence (sequence s reads rows[s]).
   static BackendBatch Decode(const std::vector<SeqRows>& rows) {
     BackendBatch b;
-    b.plan.kv_indptr.push_back(0);
     for (int32_t s = 0; s < kSeqs; ++s) {
       for (int32_t i = 0; i < kPagesPerSeq; ++i) b.plan.kv_indices.push_back(Page(s, i));
       b.plan.kv_indptr.push_back(static_cast<int32_t>(b.plan.kv_indices.size()));
