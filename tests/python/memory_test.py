@@ -15,7 +15,7 @@ import numpy as np
 
 import package_testing as t
 
-LAYERS, PAGES = 2, 64
+LAYERS, PAGES = 2, 512
 
 
 class MemoryTest(unittest.TestCase):
@@ -339,7 +339,7 @@ class MemoryTest(unittest.TestCase):
         returns only after every one that was accepted has finished, and the ones the server
         took before the unregister all succeed with the right output."""
         cfg = self.config
-        ids = self.two_sequences(700, n=(200, 300))
+        ids = self.two_sequences(700, n=(1500, 2500))
         q = self.rand(cfg.q_shape(2))
         want = self.client.decode(0, ids, q)
         region = self.pa.SystemRegion(1 << 16, self.client, name="busy")
@@ -357,6 +357,10 @@ class MemoryTest(unittest.TestCase):
         thread = threading.Thread(target=reader)
         thread.start()
         self.assertTrue(first.wait(30))
+        queued = 0
+        while queued == 0 and thread.is_alive():
+            queued = self.client.stats().queue_depth
+        self.assertGreater(queued, 0, "no work was queued")
         self.client.unregister_memory("busy")
         # Work that still read q after this point would see other values.
         region.array(q_ref, np.uint16, cfg.q_shape(2))[...] = self.pa.bf16.to_bits(-q)
@@ -367,7 +371,7 @@ class MemoryTest(unittest.TestCase):
         region.close()
         ok = [r for r in results if r.error is None]
         self.assertEqual(len(results), count)
-        self.assertGreater(len(ok), 1)
+        self.assertGreater(len(ok), 0)
         # Each decode that resolved the region before it was unlisted finished before the
         # unregister returned: all of them saw the original q.
         for r in ok:

@@ -17,7 +17,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
-from pagedattn_testing import Server  # noqa: E402,F401  pylint: disable=wrong-import-position
+from pagedattn_testing import Server, poll  # noqa: E402,F401  pylint: disable=wrong-import-position
 
 ARGS = None
 
