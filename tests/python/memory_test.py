@@ -179,6 +179,22 @@ class MemoryTest(unittest.TestCase):
         self.assertIn(self.pa.MemoryRegion("async-region", "system", 4096, -1), listed)
         self.assertEqual(after, self.regions_before)
 
+    def test_the_readme_example(self):
+        """client/python/README.md's "Tensors by reference" example, run as written."""
+        readme = os.path.join(t.HERE, "..", "..", "client", "python", "README.md")
+        with open(readme) as f:
+            blocks = f.read().split("```python\n")[1:]
+        [example] = [b.split("```")[0] for b in blocks if "SystemRegion(" in b]
+        target = self.server.target
+        self.assertIn('"127.0.0.1:50051"', example)
+        before = self.client.stats()
+        exec(compile(example.replace("127.0.0.1:50051", target), "README example", "exec"),
+             {})  # pylint: disable=exec-used
+        after = self.client.stats()
+        self.assertEqual((after.sequences, after.pages_free),
+                         (before.sequences, before.pages_free))
+        self.assertGreater(after.decoded_sequences, before.decoded_sequences)
+
     # -- registration and listing -------------------------------------------------------------
     def test_list_memory_and_region_lifetime(self):
         with self.pa.SystemRegion(4096 + 16, self.client, name="lm-b") as b, \
@@ -268,9 +284,11 @@ class MemoryTest(unittest.TestCase):
             out, lse = region.alloc(q_bytes), region.alloc(lse_bytes)
             sentinel = self.rng.standard_normal(q_bytes // 4).astype(np.float32)
             region.array(out, np.float32, (q_bytes // 4,))[...] = sentinel
+            lse_sentinel = self.rng.standard_normal(cfg.lse_shape(b)).astype(np.float32)
+            region.array(lse, np.float32, cfg.lse_shape(b))[...] = lse_sentinel
             before = self.state()
             cases = [
-                ("NOT_FOUND", dict(q=TR("no-such-region", 0, q_bytes))),
+                ("NOT_FOUND", dict(q=TR("no-such-region", 0, q_bytes), output=out, lse=lse)),
                 ("INVALID_ARGUMENT", dict(q=TR("bad-refs", region.size - 16, q_bytes))),  # outside
                 ("INVALID_ARGUMENT", dict(q=TR("bad-refs", 0, q_bytes - 2))),    # wrong size
                 ("INVALID_ARGUMENT", dict(q=TR("bad-refs", 8, q_bytes))),        # unaligned
@@ -280,7 +298,8 @@ class MemoryTest(unittest.TestCase):
                                                           lse_bytes))),  # overlaps q
                 ("INVALID_ARGUMENT", dict(q=q_ref, output=out,
                                           lse=TR("bad-refs", out.offset, lse_bytes))),
-                ("NOT_FOUND", dict(q=q_ref, k=k_ref, v=TR("gone", 0, kv_bytes))),
+                ("NOT_FOUND", dict(q=q_ref, k=k_ref, v=TR("gone", 0, kv_bytes), output=out,
+                                   lse=lse)),
                 ("INVALID_ARGUMENT", dict(q=q_ref, k=k_ref, v=TR("bad-refs", v_ref.offset,
                                                                  kv_bytes + 16))),
             ]
@@ -312,6 +331,7 @@ class MemoryTest(unittest.TestCase):
             # The output stayed untouched by every refused call.
             np.testing.assert_array_equal(region.array(out, np.float32, (q_bytes // 4,)),
                                           sentinel)
+            np.testing.assert_array_equal(region.float32(lse, cfg.lse_shape(b)), lse_sentinel)
             # And the sequences still decode exactly as before.
             want = self.client.decode(1, ids, q)
             np.testing.assert_array_equal(self.client.decode(1, ids, q_ref).output, want.output)
