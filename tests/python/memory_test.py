@@ -352,6 +352,12 @@ class MemoryTest(unittest.TestCase):
         finally:
             unregistered.close()
         self.assertEqual(self.code_of(self.pa.CudaRegion, np.zeros(4)), "INVALID_ARGUMENT")
+        # A registration that fails leaves no shared-memory object behind.
+        mine = lambda: {n for n in os.listdir("/dev/shm") if n.startswith(f"pa-py-{os.getpid()}-")}
+        shm_before = mine()
+        self.assertEqual(self.code_of(self.pa.SystemRegion, 4096, self.client, name="bad name"),
+                         "INVALID_ARGUMENT")
+        self.assertEqual(mine(), shm_before)
 
     # -- unregister waits for queued work -----------------------------------------------------
     def test_unregister_waits_for_queued_work(self):

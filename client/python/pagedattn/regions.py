@@ -292,7 +292,10 @@ class CudaRegion(_Registration):
             self.raw_handle = _Driver.ipc_handle(self._base)
         # The region: from the allocation's base to the end of this storage.
         self.byte_size = storage.data_ptr() + storage.nbytes() - self._base
-        assert 0 < self.byte_size <= allocation_size
+        if not 0 < self.byte_size <= allocation_size:
+            raise PagedAttnError(grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"the storage ends {self.byte_size} bytes into an allocation "
+                                 f"of {allocation_size}")
         self._tensor = tensor
         if client is not None:
             self.register(client, name)
