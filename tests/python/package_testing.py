@@ -5,14 +5,19 @@ ModelConfig, never from constants here."""
 
 import argparse
 import os
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
+import threading
 import unittest
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
-from pagedattn_testing import Server  # noqa: E402,F401  pylint: disable=wrong-import-position
+from pagedattn_testing import Server, poll  # noqa: E402,F401  pylint: disable=wrong-import-position
 
 ARGS = None
 
@@ -105,3 +110,39 @@ def assert_matches(test, result, want, msg=""):
         norm = np.linalg.norm(want_out[b])
         test.assertLess(err / norm if norm else err, 1e-2, f"{msg} row {b}")
     np.testing.assert_allclose(result.lse, want_lse, rtol=0, atol=1e-3, err_msg=msg)
+
+
+class UnixServer:
+    """The server listening on a Unix socket (--grpc_address=unix:PATH) in a fresh temporary
+    folder; target is "unix:PATH". Killed (and the folder removed) by kill()."""
+
+    _SERVING = re.compile(r"serving grpc=unix:(\S+)")
+
+    def __init__(self, binary, flags=(), timeout=30.0):
+        self._dir = tempfile.mkdtemp(prefix="pa-py-")
+        path = os.path.join(self._dir, "grpc.sock")
+        self.proc = subprocess.Popen(
+            [binary, f"--grpc_address=unix:{path}", "--metrics_address=127.0.0.1:0", *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.output = []
+        ready = threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                self.output.append(line)
+                if self._SERVING.search(line):
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(timeout) or self.proc.poll() is not None:
+            self.kill()
+            raise RuntimeError("server did not start:\n" + "".join(self.output))
+        match = self._SERVING.search("".join(self.output))
+        self.target = f"unix:{match.group(1)}"
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -10,6 +10,10 @@ KV cache and decode attention served over gRPC.
 Client (sync) and AsyncClient (asyncio) take numpy arrays (float -> bf16 round to nearest
 even, or uint16 bf16 bit patterns) and torch tensors when torch is imported; outputs are numpy
 float32. Every failure raises PagedAttnError carrying the gRPC status code.
+
+Tensors by reference: SystemRegion (POSIX shared memory) and CudaRegion (a torch CUDA
+tensor's allocation, by IPC handle) register memory with the server; their TensorRefs go where
+an array would (q, k, v) and as a decode's output / lse.
 """
 
 from . import bf16, tensors
@@ -17,11 +21,13 @@ from .aio import AsyncClient, AsyncDecodeStream
 from .client import Client
 from .errors import PagedAttnError
 from .options import ClientOptions
-from .types import DecodeCall, DecodeResult, ModelConfig, Stats
+from .regions import CudaRegion, SystemRegion
+from .types import DecodeCall, DecodeResult, MemoryRegion, ModelConfig, Stats, TensorRef
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AsyncClient", "AsyncDecodeStream", "Client", "ClientOptions", "DecodeCall", "DecodeResult",
-    "ModelConfig", "PagedAttnError", "Stats", "bf16", "tensors",
+    "AsyncClient", "AsyncDecodeStream", "Client", "ClientOptions", "CudaRegion", "DecodeCall",
+    "DecodeResult", "MemoryRegion", "ModelConfig", "PagedAttnError", "Stats", "SystemRegion",
+    "TensorRef", "bf16", "tensors",
 ]

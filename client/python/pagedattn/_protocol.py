@@ -5,7 +5,7 @@ import numpy as np
 
 from . import tensors
 from .errors import from_code, invalid_argument
-from .types import DecodeCall, DecodeResult, ModelConfig
+from .types import DecodeCall, DecodeResult, MemoryRegion, ModelConfig, TensorRef
 from .v1 import pagedattn_pb2 as pb
 
 _UINT64_LIMIT = 1 << 64
@@ -22,42 +22,96 @@ def sequence_id(value, name="sequence_id") -> int:
     return int(value)
 
 
-def append_request(config: ModelConfig, seq, layer, k, v) -> pb.AppendKVRequest:
-    """k, v: [num_tokens, num_kv_heads, head_dim]; num_tokens is taken from k's first axis."""
+def _is_ref(x) -> bool:
+    return isinstance(x, TensorRef)
+
+
+def _ref(x, name: str):
+    if not _is_ref(x):
+        raise invalid_argument(f"{name} must be a TensorRef (a place in a registered memory "
+                               f"region), got {type(x).__name__}")
+    return x.to_message()
+
+
+def _set_tensor(request, name: str, x, shape) -> None:
+    """One input of a request: inline bf16 bytes, or `<name>_ref` for a TensorRef (whose size
+    the server checks)."""
+    if _is_ref(x):
+        getattr(request, name + "_ref").CopyFrom(x.to_message())
+    else:
+        setattr(request, name, tensors.to_wire(x, shape, name))
+
+
+def append_request(config: ModelConfig, seq, layer, k, v,
+                   num_tokens=None) -> pb.AppendKVRequest:
+    """k, v: [num_tokens, num_kv_heads, head_dim] arrays or TensorRefs. num_tokens comes from
+    an array's first axis; when both are refs, from num_tokens or else k's byte_size."""
     seq = sequence_id(seq)
-    shape = getattr(k, "shape", None)
-    if shape is None or len(shape) < 1:
-        raise invalid_argument("k must be an array of shape [num_tokens, num_kv_heads, head_dim]")
-    n = int(shape[0])
-    kv_shape = config.kv_shape(n)
-    return pb.AppendKVRequest(sequence_id=seq, layer=int(layer), num_tokens=n,
-                              k=tensors.to_wire(k, kv_shape, "k"),
-                              v=tensors.to_wire(v, kv_shape, "v"))
+    n = num_tokens
+    if n is None:
+        array = next((x for x in (k, v) if x is not None and not _is_ref(x)), None)
+        if array is not None:
+            shape = getattr(array, "shape", None)
+            if shape is None or len(shape) < 1:
+                raise invalid_argument(
+                    "k and v must be arrays of shape [num_tokens, num_kv_heads, head_dim]")
+            n = int(shape[0])
+        elif _is_ref(k):
+            n = int(k.byte_size) // (2 * config.num_kv_heads * config.head_dim)
+        else:
+            raise invalid_argument("k is missing")
+    request = pb.AppendKVRequest(sequence_id=seq, layer=int(layer), num_tokens=int(n))
+    _set_tensor(request, "k", k, config.kv_shape(n))
+    _set_tensor(request, "v", v, config.kv_shape(n))
+    return request
 
 
 def decode_request(config: ModelConfig, call: DecodeCall, request_id: int) -> pb.DecodeRequest:
     ids = [sequence_id(s, "sequence id") for s in call.sequence_ids]
     b = len(ids)
     request = pb.DecodeRequest(request_id=request_id, layer=int(call.layer), sequence_ids=ids,
-                               q=tensors.to_wire(call.q, config.q_shape(b), "q"),
                                sm_scale=float(call.sm_scale))
+    _set_tensor(request, "q", call.q, config.q_shape(b))
     if (call.k is None) != (call.v is None):
         raise invalid_argument("k and v go together: give both (a decode step) or neither")
     if call.k is not None:
-        request.k = tensors.to_wire(call.k, config.kv_shape(b), "k")
-        request.v = tensors.to_wire(call.v, config.kv_shape(b), "v")
+        _set_tensor(request, "k", call.k, config.kv_shape(b))
+        _set_tensor(request, "v", call.v, config.kv_shape(b))
+    if call.output is not None:
+        request.output_ref.CopyFrom(_ref(call.output, "output"))
+    if call.lse is not None:
+        request.lse_ref.CopyFrom(_ref(call.lse, "lse"))
     return request
 
 
 def decode_result(config: ModelConfig, request: pb.DecodeRequest, response) -> DecodeResult:
-    """A unary response or a stream response (whose own error becomes result.error)."""
+    """A unary response or a stream response (whose own error becomes result.error). An
+    output or lse the request placed in a region is None here."""
     if response.error_code != 0:
         return DecodeResult(request_id=response.request_id,
                             error=from_code(response.error_code, response.error_message))
     b = len(request.sequence_ids)
-    return DecodeResult(request_id=response.request_id,
-                        output=tensors.output_from_wire(response.output, config.q_shape(b)),
-                        lse=tensors.lse_from_wire(response.lse, config.lse_shape(b)))
+    output = lse = None
+    if not request.HasField("output_ref"):
+        output = tensors.output_from_wire(response.output, config.q_shape(b))
+    if not request.HasField("lse_ref"):
+        lse = tensors.lse_from_wire(response.lse, config.lse_shape(b))
+    return DecodeResult(request_id=response.request_id, output=output, lse=lse)
+
+
+# Memory regions (tensors by reference).
+def register_system_request(name, key, offset, byte_size) -> pb.RegisterSystemMemoryRequest:
+    return pb.RegisterSystemMemoryRequest(name=str(name), key=str(key), offset=int(offset),
+                                          byte_size=int(byte_size))
+
+
+def register_cuda_request(name, raw_handle, device_id, byte_size) -> pb.RegisterCudaMemoryRequest:
+    return pb.RegisterCudaMemoryRequest(name=str(name), raw_handle=bytes(raw_handle),
+                                        device_id=int(device_id), byte_size=int(byte_size))
+
+
+def memory_regions(response) -> list:
+    return [MemoryRegion.from_message(r) for r in response.regions]
 
 
 # grpc.health.v1 messages, by hand (two fields) so that no health stubs are needed.

@@ -13,7 +13,7 @@ Every failure raises PagedAttnError with the call's gRPC status code.
 import asyncio
 import collections
 import itertools
-from typing import Optional
+from typing import List, Optional
 
 import grpc
 import grpc.aio
@@ -21,7 +21,7 @@ import grpc.aio
 from . import _protocol
 from .errors import PagedAttnError, from_rpc_error
 from .options import ClientOptions, make_options
-from .types import DecodeCall, DecodeResult, ModelConfig, Stats
+from .types import DecodeCall, DecodeResult, MemoryRegion, ModelConfig, Stats, TensorRef
 from .v1 import pagedattn_pb2 as pb
 from .v1 import pagedattn_pb2_grpc as pb_grpc
 
@@ -80,16 +80,20 @@ class AsyncClient:
         request = pb.CreateSequenceRequest(sequence_id=_protocol.sequence_id(sequence_id))
         await self._call(self._stub.CreateSequence, request)
 
-    async def append(self, sequence_id: int, layer: int, k, v) -> int:
+    async def append(self, sequence_id: int, layer: int, k, v,
+                     num_tokens: Optional[int] = None) -> int:
         """AppendKV (see Client.append); returns the committed length after the call."""
-        request = _protocol.append_request(await self.model_config(), sequence_id, layer, k, v)
+        request = _protocol.append_request(await self.model_config(), sequence_id, layer, k, v,
+                                           num_tokens)
         return (await self._call(self._stub.AppendKV, request)).length
 
     async def decode(self, layer: int, sequence_ids, q, k=None, v=None, sm_scale: float = 0.0,
-                     timeout: Optional[float] = None) -> DecodeResult:
-        """One unary Decode (see Client.decode)."""
+                     timeout: Optional[float] = None, *, output: Optional[TensorRef] = None,
+                     lse: Optional[TensorRef] = None) -> DecodeResult:
+        """One unary Decode (see Client.decode; q, k, v may be TensorRefs, output / lse
+        TensorRefs)."""
         config = await self.model_config()
-        call = DecodeCall(layer, sequence_ids, q, k, v, sm_scale)
+        call = DecodeCall(layer, sequence_ids, q, k, v, sm_scale, output=output, lse=lse)
         request = _protocol.decode_request(config, call, next(self._request_ids))
         response = await self._call(self._stub.Decode, request, timeout)
         return _protocol.decode_result(config, request, response).check()
@@ -105,6 +109,27 @@ class AsyncClient:
 
     async def stats(self) -> Stats:
         return Stats.from_message(await self._call(self._stub.GetStats, pb.GetStatsRequest()))
+
+    async def register_system_memory(self, name: str, key: str, offset: int,
+                                     byte_size: int) -> None:
+        """RegisterSystemMemory (see Client.register_system_memory)."""
+        await self._call(self._stub.RegisterSystemMemory,
+                         _protocol.register_system_request(name, key, offset, byte_size))
+
+    async def register_cuda_memory(self, name: str, raw_handle: bytes, device_id: int,
+                                   byte_size: int) -> None:
+        """RegisterCudaMemory (see Client.register_cuda_memory)."""
+        await self._call(self._stub.RegisterCudaMemory,
+                         _protocol.register_cuda_request(name, raw_handle, device_id, byte_size))
+
+    async def unregister_memory(self, name: str, timeout: Optional[float] = None) -> None:
+        """UnregisterMemory (see Client.unregister_memory)."""
+        await self._call(self._stub.UnregisterMemory,
+                         pb.UnregisterMemoryRequest(name=str(name)), timeout)
+
+    async def list_memory(self) -> List[MemoryRegion]:
+        return _protocol.memory_regions(await self._call(self._stub.ListMemory,
+                                                         pb.ListMemoryRequest()))
 
     async def health(self, service: str = "") -> str:
         response = await self._call(self._health, _protocol.health_request(service))
@@ -144,9 +169,11 @@ class AsyncDecodeStream:
         else:
             self.cancel()
 
-    async def decode(self, layer: int, sequence_ids, q, k=None, v=None,
-                     sm_scale: float = 0.0) -> DecodeResult:
-        return await self.submit(DecodeCall(layer, sequence_ids, q, k, v, sm_scale))
+    async def decode(self, layer: int, sequence_ids, q, k=None, v=None, sm_scale: float = 0.0,
+                     *, output: Optional[TensorRef] = None,
+                     lse: Optional[TensorRef] = None) -> DecodeResult:
+        return await self.submit(DecodeCall(layer, sequence_ids, q, k, v, sm_scale,
+                                            output=output, lse=lse))
 
     async def submit(self, call: DecodeCall) -> DecodeResult:
         request_id = call.request_id if call.request_id is not None else next(self._request_ids)

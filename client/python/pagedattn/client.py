@@ -7,14 +7,14 @@ channel). Every failure raises PagedAttnError with the call's gRPC status code.
 import collections
 import itertools
 import threading
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator, List, Optional
 
 import grpc
 
 from . import _protocol
 from .errors import PagedAttnError, from_rpc_error
 from .options import ClientOptions, make_options
-from .types import DecodeCall, DecodeResult, ModelConfig, Stats
+from .types import DecodeCall, DecodeResult, MemoryRegion, ModelConfig, Stats, TensorRef
 from .v1 import pagedattn_pb2 as pb
 from .v1 import pagedattn_pb2_grpc as pb_grpc
 
@@ -84,18 +84,22 @@ class Client:
         request = pb.CreateSequenceRequest(sequence_id=_protocol.sequence_id(sequence_id))
         self._call(self._stub.CreateSequence, request)
 
-    def append(self, sequence_id: int, layer: int, k, v) -> int:
+    def append(self, sequence_id: int, layer: int, k, v, num_tokens: Optional[int] = None) -> int:
         """AppendKV: k, v [num_tokens, num_kv_heads, head_dim] into one layer (one step's layer;
         walk layers 0..num_layers-1 in order). Returns the committed length after the call (it
-        grows at the last layer)."""
-        request = _protocol.append_request(self.config, sequence_id, layer, k, v)
+        grows at the last layer). k, v may be TensorRefs; when both are, num_tokens defaults
+        to what k's byte_size holds."""
+        request = _protocol.append_request(self.config, sequence_id, layer, k, v, num_tokens)
         return self._call(self._stub.AppendKV, request).length
 
     def decode(self, layer: int, sequence_ids, q, k=None, v=None, sm_scale: float = 0.0,
-               timeout: Optional[float] = None) -> DecodeResult:
+               timeout: Optional[float] = None, *, output: Optional[TensorRef] = None,
+               lse: Optional[TensorRef] = None) -> DecodeResult:
         """One Decode: q [B, num_qo_heads, head_dim]; k, v [B, num_kv_heads, head_dim] (both: a
-        decode step writing each sequence's new token; neither: attend only)."""
-        call = DecodeCall(layer, sequence_ids, q, k, v, sm_scale)
+        decode step writing each sequence's new token; neither: attend only). Any of q, k, v
+        may be a TensorRef; output / lse TensorRefs make the server write the results there
+        (complete when this returns) and the result's fields None."""
+        call = DecodeCall(layer, sequence_ids, q, k, v, sm_scale, output=output, lse=lse)
         request = _protocol.decode_request(self.config, call, next(self._request_ids))
         response = self._call(self._stub.Decode, request, timeout)
         return _protocol.decode_result(self.config, request, response).check()
@@ -149,6 +153,33 @@ class Client:
 
     def stats(self) -> Stats:
         return Stats.from_message(self._call(self._stub.GetStats, pb.GetStatsRequest()))
+
+    # -- memory regions (tensors by reference; SystemRegion and CudaRegion wrap these) ---------
+    def register_system_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """RegisterSystemMemory: bytes [offset, offset + byte_size) of the POSIX shared-memory
+        object `key` ("/name") become region `name`. ALREADY_EXISTS, RESOURCE_EXHAUSTED,
+        FAILED_PRECONDITION (the server cannot open or map it), INVALID_ARGUMENT."""
+        self._call(self._stub.RegisterSystemMemory,
+                   _protocol.register_system_request(name, key, offset, byte_size))
+
+    def register_cuda_memory(self, name: str, raw_handle: bytes, device_id: int,
+                             byte_size: int) -> None:
+        """RegisterCudaMemory: the first byte_size bytes of the CUDA allocation whose
+        cudaIpcMemHandle_t is `raw_handle` (64 bytes) become region `name`."""
+        self._call(self._stub.RegisterCudaMemory,
+                   _protocol.register_cuda_request(name, raw_handle, device_id, byte_size))
+
+    def unregister_memory(self, name: str, timeout: Optional[float] = None) -> None:
+        """UnregisterMemory: unlists `name` at once and returns once no queued or running work
+        uses it (DEADLINE_EXCEEDED if that takes longer than the deadline; it is unmapped
+        later all the same). NOT_FOUND for an unknown name."""
+        self._call(self._stub.UnregisterMemory, pb.UnregisterMemoryRequest(name=str(name)),
+                   timeout)
+
+    def list_memory(self) -> List[MemoryRegion]:
+        """ListMemory: the registered regions, sorted by name."""
+        return _protocol.memory_regions(self._call(self._stub.ListMemory,
+                                                   pb.ListMemoryRequest()))
 
     def health(self, service: str = "") -> str:
         """grpc.health.v1 Check: "SERVING" or "NOT_SERVING" ("" is the whole server,

@@ -7,8 +7,7 @@ Accepted as input:
     bfloat16 arrays, viewed as their bits);
   - torch tensors, when torch is imported by the caller: bfloat16 tensors are sent bit for bit,
     floating tensors are converted like numpy arrays. A CUDA tensor is copied to the host first
-    (synchronously); the server's registered memory regions (tensors by reference) will avoid
-    that copy once the server offers them.
+    (synchronously); a CudaRegion (pagedattn.regions, tensors by reference) avoids that copy.
 Anything else, or a shape other than the one the config implies, is INVALID_ARGUMENT before
 anything is sent.
 """

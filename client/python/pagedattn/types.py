@@ -63,8 +63,10 @@ class Stats:
 class DecodeCall:
     """One Decode for a stream (Client.decode_stream, AsyncDecodeStream.decode): q is
     [B, num_qo_heads, head_dim]; k and v, both or neither, [B, num_kv_heads, head_dim] (the new
-    token of each sequence: a decode step); without them the call only attends. sm_scale 0 means
-    1/sqrt(head_dim). request_id None: the stream numbers its requests."""
+    token of each sequence: a decode step); without them the call only attends. q, k, v may each
+    be a TensorRef instead of an array. output / lse: TensorRefs where the server writes the
+    results (the result then carries None for them). sm_scale 0 means 1/sqrt(head_dim).
+    request_id None: the stream numbers its requests."""
     layer: int
     sequence_ids: Sequence[int]
     q: object
@@ -72,14 +74,17 @@ class DecodeCall:
     v: object = None
     sm_scale: float = 0.0
     request_id: Optional[int] = None
+    output: Optional["TensorRef"] = None
+    lse: Optional["TensorRef"] = None
 
 
 @dataclasses.dataclass
 class DecodeResult:
     """A Decode's answer: output float32 [B, num_qo_heads, head_dim] (bf16 values, exact in
     float32), lse float32 [B, num_qo_heads] (log2 of the softmax denominator; -inf for a
-    sequence without tokens). In a stream, a request that failed has `error` set and no
-    tensors (the stream goes on); check() raises it."""
+    sequence without tokens). Either is None when the call gave a TensorRef for it (the server
+    wrote it there). In a stream, a request that failed has `error` set and no tensors (the
+    stream goes on); check() raises it."""
     request_id: int
     output: Optional[np.ndarray] = None
     lse: Optional[np.ndarray] = None
@@ -89,3 +94,34 @@ class DecodeResult:
         if self.error is not None:
             raise self.error
         return self
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRef:
+    """A tensor in a registered memory region (tensors by reference): bytes
+    [offset, offset + byte_size) of the region named `region`. Pass one wherever a decode or
+    append takes an array (q, k, v), or as a decode's `output` / `lse` to have the server write
+    the result there. The server checks it (see pagedattn.proto, "Tensors by reference"):
+    offset a multiple of 16, byte_size the tensor's inline size, the range inside the region;
+    SystemRegion.ref / CudaRegion.ref build checked ones."""
+    region: str
+    offset: int
+    byte_size: int
+
+    def to_message(self):
+        from .v1 import pagedattn_pb2 as pb  # pylint: disable=import-outside-toplevel
+        return pb.TensorRef(region=self.region, offset=int(self.offset),
+                            byte_size=int(self.byte_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryRegion:
+    """ListMemory: one registered region. kind "system" or "cuda"; device_id -1 for system."""
+    name: str
+    kind: str
+    byte_size: int
+    device_id: int
+
+    @classmethod
+    def from_message(cls, message) -> "MemoryRegion":
+        return _from_message(cls, message)
