@@ -12,6 +12,22 @@
 //     tokens reads zeros with lse -inf.
 // After each input every sequence it left is released: all pages must be free again.
 //
+// Tensors by reference: at start the process creates two POSIX shared-memory objects (random
+// bf16 data), registers them with a MemoryRegistry of its own (no mapper) as three regions, one
+// object under two names ("fz-a" whole, "fz-a-mid" a window of it, "fz-b"), and unlinks them
+// at once (the mappings stay; nothing is left behind however the process ends). Every input
+// starts from the same region contents. Validation gets the registry, and the predicate knows
+// the ref rules: NOT_FOUND for an unknown region, INVALID_ARGUMENT for a wrong byte_size, an
+// offset not a multiple of 16, a range outside the region, a tensor given both ways, an output
+// overlapping an input or the other output (within one object, whatever region names it).
+// When a request breaks rules of both codes, either code is accepted (the contract gives no
+// order). Work built from references must view the same bytes. After each group of submitted
+// work (what one Drain checks): bytes outside the successful Decodes' output_ref / lse_ref
+// ranges are unchanged; a Decode with output_ref / lse_ref has empty response fields, its
+// region results read zeros / -inf for a sequence with no tokens, and, when nothing else in
+// the group wrote near its ranges and it attended to exactly the committed tokens, its results
+// equal those of the same Decode rerun attend-only with inline tensors.
+//
 // Input: records until the bytes run out (at most kMaxRecords):
 //   tag (1 byte): low 3 bits pick the message (0 CreateSequence, 1 AppendKV, 2 Decode,
 //                 3 ForkSequence, 4 ReleaseSequence, 5 GetStats + GetModelConfig, 6 and 7 parse
@@ -20,9 +36,13 @@
 //                 num_tokens call for (repeating the bytes given), so that short inputs reach
 //                 the engine; bit 4 "queue": an AppendKV or Decode is submitted without
 //                 waiting for it, so that the next ones share its batch (up to kMaxQueued;
-//                 any other call first waits for everything submitted).
+//                 any other call first waits for everything submitted). "fit" also sets
+//                 every TensorRef's byte_size to its tensor's size and, in a known region,
+//                 folds its offset into the region (a multiple of 16); a tensor given by
+//                 reference is not stretched inline.
 //   length (2 bytes, little endian), then that many payload bytes: the serialized message.
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -30,15 +50,23 @@
 #include <future>
 #include <limits>
 #include <memory>
+#include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_join.h"
 #include "pagedattn/kernels/decode.h"
 #include "pagedattn/v1/pagedattn.pb.h"
 #include "server/backend/cpu_backend.h"
 #include "server/engine/engine.h"
+#include "server/memory/memory_registry.h"
 #include "server/service/validation.h"
 #include "tests/fuzz/fuzz_input.h"
 #include "tests/fuzz/kv_model.h"
@@ -87,35 +115,256 @@ std::string Stretch(const std::string& bytes, int64_t size) {
   return out;
 }
 
-// The contract's validity rules (proto/pagedattn/v1/pagedattn.proto), written independently of
-// server/service/validation.cc.
-bool DecodeIsValid(const v1::DecodeRequest& r) {
-  const int64_t b = r.sequence_ids_size();
-  if (b < 1 || b > kMaxBatch) return false;
-  if (r.layer() < 0 || r.layer() >= kLayers) return false;
-  absl::flat_hash_set<uint64_t> ids(r.sequence_ids().begin(), r.sequence_ids().end());
-  if (static_cast<int64_t>(ids.size()) != b) return false;
-  if (static_cast<int64_t>(r.q().size()) != b * k::kQueryBytes) return false;
-  if (r.k().empty() != r.v().empty()) return false;
-  if (!r.k().empty() && (static_cast<int64_t>(r.k().size()) != b * k::kTokenBytes ||
-                         static_cast<int64_t>(r.v().size()) != b * k::kTokenBytes)) {
-    return false;
-  }
-  return std::isfinite(r.sm_scale()) && r.sm_scale() >= 0.0f;
+// Where a reference's bytes are: [begin, end) of shared-memory object `object`.
+struct Place {
+  int object = 0;
+  uint64_t begin = 0;
+  uint64_t end = 0;
+};
+
+bool Intersect(const Place& a, const Place& b) {
+  return a.object == b.object && a.begin < b.end && b.begin < a.end;
 }
 
-bool AppendIsValid(const v1::AppendKVRequest& r) {
-  if (r.layer() < 0 || r.layer() >= kLayers || r.num_tokens() < 1) return false;
+// The POSIX shared-memory objects behind the registered regions, mapped in this process too,
+// and the registry validation resolves references with. Process-wide, never destroyed.
+class SharedMemory {
+ public:
+  struct Region {
+    const char* name;
+    int object;
+    uint64_t offset;  // where the region starts in its object
+    uint64_t size;
+  };
+  static constexpr int kObjects = 2;
+  static constexpr uint64_t kObjectBytes[kObjects] = {256 << 10, 48 << 10};
+  // Object 0 under two names: "fz-a-mid" is [64 KiB, 200 KiB) of "fz-a". Both hold a fitted
+  // AppendKV of kMaxFitTokens tokens (127 KiB).
+  static constexpr Region kRegions[] = {{"fz-a", 0, 0, 256 << 10},
+                                        {"fz-a-mid", 0, 64 << 10, 136 << 10},
+                                        {"fz-b", 1, 0, 48 << 10}};
+
+  static SharedMemory& Get() {
+    static SharedMemory* const shm = new SharedMemory();
+    return *shm;
+  }
+
+  static const Region* Find(std::string_view name) {
+    for (const Region& r : kRegions) {
+      if (name == r.name) return &r;
+    }
+    return nullptr;
+  }
+
+  const MemoryRegistry* registry() const { return registry_.get(); }
+  const char* data(const Place& p) const { return base_[p.object] + p.begin; }
+  std::string Read(const Place& p) const { return std::string(data(p), p.end - p.begin); }
+
+  // Puts back the contents every input starts from.
+  void Reset() {
+    for (int i = 0; i < kObjects; ++i) std::memcpy(base_[i], pristine_[i].data(), kObjectBytes[i]);
+  }
+  std::vector<std::string> Snapshot() const {
+    std::vector<std::string> copy;
+    for (int i = 0; i < kObjects; ++i) copy.emplace_back(base_[i], kObjectBytes[i]);
+    return copy;
+  }
+  // Every byte outside `written` must still be as in `before`.
+  void CheckUnchangedOutside(const std::vector<std::string>& before,
+                             const std::vector<Place>& written) const {
+    for (int i = 0; i < kObjects; ++i) {
+      std::vector<std::pair<uint64_t, uint64_t>> ranges;
+      for (const Place& p : written) {
+        if (p.object == i) ranges.emplace_back(p.begin, p.end);
+      }
+      std::sort(ranges.begin(), ranges.end());
+      uint64_t at = 0;
+      auto check = [&](uint64_t from, uint64_t to) {
+        for (uint64_t x = from; x < to; ++x) {
+          FUZZ_CHECK(base_[i][x] == before[i][x], "object ", i, " byte ", x,
+                     " changed outside every successful output_ref / lse_ref");
+        }
+      };
+      for (const auto& [b, e] : ranges) {
+        if (b > at && std::memcmp(base_[i] + at, before[i].data() + at, b - at) != 0) check(at, b);
+        at = std::max(at, e);
+      }
+      const uint64_t end = kObjectBytes[i];
+      if (end > at && std::memcmp(base_[i] + at, before[i].data() + at, end - at) != 0) check(at, end);
+    }
+  }
+
+ private:
+  SharedMemory() {
+    std::vector<std::string> keys;
+    // Unlinks what was created before failing, so that nothing outlives the process.
+    auto require = [&keys](bool ok, const std::string& what) {
+      if (ok) return;
+      for (const std::string& key : keys) shm_unlink(key.c_str());
+      FUZZ_CHECK(ok, what);
+    };
+    std::mt19937 rng(0x5eed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (int i = 0; i < kObjects; ++i) {
+      const std::string key = absl::StrCat("/pagedattn-fuzz-", getpid(), "-", i);
+      const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+      require(fd >= 0, absl::StrCat("shm_open ", key, ": ", std::strerror(errno)));
+      keys.push_back(key);
+      require(ftruncate(fd, kObjectBytes[i]) == 0, absl::StrCat("ftruncate: ", std::strerror(errno)));
+      void* base = mmap(nullptr, kObjectBytes[i], PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      close(fd);
+      require(base != MAP_FAILED, absl::StrCat("mmap: ", std::strerror(errno)));
+      base_[i] = static_cast<char*>(base);
+      // Random normal bf16 (rounded to nearest even).
+      for (uint64_t x = 0; x < kObjectBytes[i]; x += 2) {
+        uint32_t bits;
+        const float f = normal(rng);
+        std::memcpy(&bits, &f, 4);
+        const uint16_t h = static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+        std::memcpy(base_[i] + x, &h, 2);
+      }
+      pristine_[i].assign(base_[i], kObjectBytes[i]);
+    }
+    MemoryRegistry::Options options;  // no mapper: system regions only, as with no GPU
+    auto registry = MemoryRegistry::Create(options);
+    require(registry.ok(), registry.status().ToString());
+    registry_ = *std::move(registry);
+    for (const Region& r : kRegions) {
+      const absl::Status s = registry_->RegisterSystem(r.name, keys[r.object], r.offset, r.size);
+      require(s.ok(), absl::StrCat("RegisterSystem ", r.name, ": ", s.ToString()));
+    }
+    // The registry and this process keep their mappings; the names go at once, so nothing is
+    // left in /dev/shm however the process ends.
+    for (const std::string& key : keys) {
+      FUZZ_CHECK(shm_unlink(key.c_str()) == 0, "shm_unlink ", key, ": ", std::strerror(errno));
+    }
+  }
+
+  char* base_[kObjects] = {};
+  std::string pristine_[kObjects];
+  std::unique_ptr<MemoryRegistry> registry_;
+};
+
+// The codes the contract allows for a request: OK when it breaks no rule, else the code of any
+// rule it breaks (the contract does not order the rules).
+struct Verdict {
+  bool invalid = false;    // a rule whose code is INVALID_ARGUMENT is broken
+  bool not_found = false;  // a reference names an unknown region
+  bool valid() const { return !invalid && !not_found; }
+  bool Allows(Code code) const {
+    if (code == Code::kOk) return valid();
+    if (code == Code::kInvalidArgument) return invalid;
+    if (code == Code::kNotFound) return not_found;
+    return false;
+  }
+  std::string ToString() const {
+    if (valid()) return "valid";
+    return absl::StrCat(invalid ? "INVALID_ARGUMENT" : "", invalid && not_found ? " or " : "",
+                        not_found ? "NOT_FOUND" : "");
+  }
+};
+
+// One tensor, given inline (`inline_bytes` of them) or by reference (`has_ref`): exactly one
+// way, `expected` bytes either way. Sets *place for a reference that keeps its own rules.
+void JudgeTensor(size_t inline_bytes, bool has_ref, const v1::TensorRef& ref, int64_t expected,
+                 Verdict* verdict, std::optional<Place>* place) {
+  if (!has_ref) {
+    if (static_cast<int64_t>(inline_bytes) != expected) verdict->invalid = true;
+    return;
+  }
+  bool ok = true;
+  if (inline_bytes != 0) ok = false;  // both ways
+  if (expected < 0 || ref.byte_size() != static_cast<uint64_t>(expected)) ok = false;
+  if (ref.offset() % 16 != 0) ok = false;
+  if (!ok) verdict->invalid = true;
+  const SharedMemory::Region* region = SharedMemory::Find(ref.region());
+  if (region == nullptr) {
+    verdict->not_found = true;
+    return;
+  }
+  if (ref.offset() > region->size || ref.byte_size() > region->size - ref.offset()) {
+    verdict->invalid = true;
+    return;
+  }
+  if (ok) {
+    const uint64_t begin = region->offset + ref.offset();
+    *place = Place{region->object, begin, begin + ref.byte_size()};
+  }
+}
+
+// The contract's validity rules (proto/pagedattn/v1/pagedattn.proto), written independently of
+// server/service/validation.cc, and where a request's references lead.
+struct DecodeJudgement {
+  Verdict verdict;
+  std::optional<Place> q, k, v, output, lse;
+};
+
+DecodeJudgement JudgeDecode(const v1::DecodeRequest& r) {
+  DecodeJudgement j;
+  Verdict& verdict = j.verdict;
+  const int64_t b = r.sequence_ids_size();
+  if (b < 1 || b > kMaxBatch) verdict.invalid = true;
+  if (r.layer() < 0 || r.layer() >= kLayers) verdict.invalid = true;
+  absl::flat_hash_set<uint64_t> ids(r.sequence_ids().begin(), r.sequence_ids().end());
+  if (static_cast<int64_t>(ids.size()) != b) verdict.invalid = true;
+  JudgeTensor(r.q().size(), r.has_q_ref(), r.q_ref(), b * k::kQueryBytes, &verdict, &j.q);
+  const bool has_k = !r.k().empty() || r.has_k_ref();
+  const bool has_v = !r.v().empty() || r.has_v_ref();
+  if (has_k != has_v) {
+    verdict.invalid = true;
+  } else if (has_k) {
+    JudgeTensor(r.k().size(), r.has_k_ref(), r.k_ref(), b * k::kTokenBytes, &verdict, &j.k);
+    JudgeTensor(r.v().size(), r.has_v_ref(), r.v_ref(), b * k::kTokenBytes, &verdict, &j.v);
+  }
+  if (r.has_output_ref()) {
+    JudgeTensor(0, true, r.output_ref(), b * k::kQueryBytes, &verdict, &j.output);
+  }
+  if (r.has_lse_ref()) {
+    JudgeTensor(0, true, r.lse_ref(), b * k::kNumQoHeads * 4, &verdict, &j.lse);
+  }
+  // Outputs overlap neither each other nor an input; inputs may overlap each other.
+  if (j.output && j.lse && Intersect(*j.output, *j.lse)) verdict.invalid = true;
+  for (const std::optional<Place>* out : {&j.output, &j.lse}) {
+    for (const std::optional<Place>* in : {&j.q, &j.k, &j.v}) {
+      if (*out && *in && Intersect(**out, **in)) verdict.invalid = true;
+    }
+  }
+  if (!std::isfinite(r.sm_scale()) || r.sm_scale() < 0.0f) verdict.invalid = true;
+  return j;
+}
+
+struct AppendJudgement {
+  Verdict verdict;
+  std::optional<Place> k, v;
+};
+
+AppendJudgement JudgeAppend(const v1::AppendKVRequest& r) {
+  AppendJudgement j;
+  if (r.layer() < 0 || r.layer() >= kLayers || r.num_tokens() < 1) j.verdict.invalid = true;
   const int64_t bytes = int64_t{r.num_tokens()} * k::kTokenBytes;
-  return static_cast<int64_t>(r.k().size()) == bytes && static_cast<int64_t>(r.v().size()) == bytes;
+  JudgeTensor(r.k().size(), r.has_k_ref(), r.k_ref(), bytes, &j.verdict, &j.k);
+  JudgeTensor(r.v().size(), r.has_v_ref(), r.v_ref(), bytes, &j.verdict, &j.v);
+  return j;
+}
+
+// "fit" for a reference: the tensor's byte_size, and in a known region an offset inside it.
+void FitRef(v1::TensorRef* ref, int64_t bytes) {
+  ref->set_byte_size(static_cast<uint64_t>(bytes));
+  const SharedMemory::Region* region = SharedMemory::Find(ref->region());
+  if (region == nullptr || region->size < static_cast<uint64_t>(bytes)) return;
+  ref->set_offset(ref->offset() % (region->size - bytes + 1) / 16 * 16);
 }
 
 class RequestRun {
  public:
   RequestRun(Engine& engine, const ModelConfig& config)
-      : engine_(engine), config_(config), model_(kLayers, kPages, k::kPageSize) {}
+      : engine_(engine),
+        shm_(SharedMemory::Get()),
+        config_(config),
+        model_(kLayers, kPages, k::kPageSize) {}
 
   void Run(FuzzInput& in) {
+    shm_.Reset();
     CheckStats("start of input");
     for (int i = 0; i < kMaxRecords && !in.empty(); ++i) {
       const uint8_t tag = in.Byte();
@@ -207,49 +456,82 @@ class RequestRun {
     (void)Parse(payload, &release);
     (void)Parse(payload, &stats);
     v1::AppendKVRequest append;
-    if (Parse(payload, &append)) (void)CheckAppendValidation(append);
+    AppendJudgement append_judged;
+    if (Parse(payload, &append)) (void)CheckAppendValidation(append, &append_judged);
     v1::DecodeRequest decode;
-    if (Parse(payload, &decode)) (void)CheckDecodeValidation(decode);
+    DecodeJudgement decode_judged;
+    if (Parse(payload, &decode)) (void)CheckDecodeValidation(decode, &decode_judged);
   }
 
-  absl::StatusOr<AppendWork> CheckAppendValidation(const v1::AppendKVRequest& r) {
-    absl::StatusOr<AppendWork> work = ToAppendWork(r, config_);
+  absl::StatusOr<AppendWork> CheckAppendValidation(const v1::AppendKVRequest& r,
+                                                   AppendJudgement* judged) {
+    absl::StatusOr<AppendWork> work = ToAppendWork(r, config_, shm_.registry());
     if (!work.ok()) Trace("ToAppendWork -> ", work.status().ToString());
-    const bool valid = AppendIsValid(r);
-    FUZZ_CHECK(work.ok() == valid, "ToAppendWork: ", work.status().ToString(), "; the contract says ",
-               valid ? "valid" : "invalid", " (layer ", r.layer(), ", num_tokens ", r.num_tokens(),
-               ", k ", r.k().size(), " B, v ", r.v().size(), " B)");
-    if (!work.ok()) {
-      FUZZ_CHECK(absl::IsInvalidArgument(work.status()), work.status().ToString());
-      return work;
-    }
+    *judged = JudgeAppend(r);
+    FUZZ_CHECK(judged->verdict.Allows(work.status().code()), "ToAppendWork: ",
+               work.status().ToString(), "; the contract says ", judged->verdict.ToString(),
+               " (layer ", r.layer(), ", num_tokens ", r.num_tokens(), ", k ", r.k().size(),
+               " B", RefText(r.has_k_ref(), r.k_ref()), ", v ", r.v().size(), " B",
+               RefText(r.has_v_ref(), r.v_ref()), ")");
+    if (!work.ok()) return work;
     FUZZ_CHECK(work->sequence_id == r.sequence_id() && work->layer == r.layer() &&
-                   work->num_tokens == r.num_tokens() && work->k.host_bytes() == r.k() && work->v.host_bytes() == r.v(),
+                   work->num_tokens == r.num_tokens(),
                "ToAppendWork changed the request's fields");
+    CheckTensor("k", work->k, r.k(), judged->k);
+    CheckTensor("v", work->v, r.v(), judged->v);
     return work;
   }
 
-  absl::StatusOr<DecodeWork> CheckDecodeValidation(const v1::DecodeRequest& r) {
-    absl::StatusOr<DecodeWork> work = ToDecodeWork(r, config_);
+  absl::StatusOr<DecodeWork> CheckDecodeValidation(const v1::DecodeRequest& r,
+                                                   DecodeJudgement* judged) {
+    absl::StatusOr<DecodeWork> work = ToDecodeWork(r, config_, shm_.registry());
     if (!work.ok()) Trace("ToDecodeWork -> ", work.status().ToString());
-    const bool valid = DecodeIsValid(r);
-    FUZZ_CHECK(work.ok() == valid, "ToDecodeWork: ", work.status().ToString(), "; the contract says ",
-               valid ? "valid" : "invalid", " (B ", r.sequence_ids_size(), ", layer ", r.layer(),
-               ", q ", r.q().size(), " B, k ", r.k().size(), " B, v ", r.v().size(),
-               " B, sm_scale ", r.sm_scale(), ")");
-    if (!work.ok()) {
-      FUZZ_CHECK(absl::IsInvalidArgument(work.status()), work.status().ToString());
-      return work;
-    }
+    *judged = JudgeDecode(r);
+    FUZZ_CHECK(judged->verdict.Allows(work.status().code()), "ToDecodeWork: ",
+               work.status().ToString(), "; the contract says ", judged->verdict.ToString(),
+               " (B ", r.sequence_ids_size(), ", layer ", r.layer(), ", q ", r.q().size(), " B",
+               RefText(r.has_q_ref(), r.q_ref()), ", k ", r.k().size(), " B",
+               RefText(r.has_k_ref(), r.k_ref()), ", v ", r.v().size(), " B",
+               RefText(r.has_v_ref(), r.v_ref()), ", output", RefText(r.has_output_ref(), r.output_ref()),
+               ", lse", RefText(r.has_lse_ref(), r.lse_ref()), ", sm_scale ", r.sm_scale(), ")");
+    if (!work.ok()) return work;
     const float scale = r.sm_scale() == 0.0f ? 1.0f / std::sqrt(128.0f) : r.sm_scale();
     FUZZ_CHECK(work->request_id == r.request_id() && work->layer == r.layer() &&
                    std::equal(work->sequence_ids.begin(), work->sequence_ids.end(),
-                              r.sequence_ids().begin(), r.sequence_ids().end()) &&
-                   work->q.host_bytes() == r.q() && work->k.host_bytes() == r.k() && work->v.host_bytes() == r.v(),
+                              r.sequence_ids().begin(), r.sequence_ids().end()),
                "ToDecodeWork changed the request's fields");
+    CheckTensor("q", work->q, r.q(), judged->q);
+    CheckTensor("k", work->k, r.k(), judged->k);
+    CheckTensor("v", work->v, r.v(), judged->v);
+    CheckTensor("output", work->output, "", judged->output);
+    CheckTensor("lse", work->lse, "", judged->lse);
     FUZZ_CHECK(std::fabs(work->sm_scale - scale) <= 1e-6f * scale && work->sm_scale > 0.0f,
                "sm_scale ", r.sm_scale(), " resolved to ", work->sm_scale);
     return work;
+  }
+
+  static std::string RefText(bool has_ref, const v1::TensorRef& ref) {
+    if (!has_ref) return "";
+    return absl::StrCat(" ref {\"", absl::CHexEscape(ref.region()), "\", ", ref.offset(), ", ",
+                        ref.byte_size(), "}");
+  }
+
+  // A work tensor holds the request's inline bytes, or views the bytes its reference names.
+  void CheckTensor(const char* field, const Tensor& t, std::string_view inline_bytes,
+                   const std::optional<Place>& place) const {
+    if (place) {
+      FUZZ_CHECK(t.is_view() && !t.on_device() &&
+                     t.host_bytes() == std::string_view(shm_.data(*place), place->end - place->begin),
+                 field, " does not view the bytes its reference names");
+    } else {
+      FUZZ_CHECK(!t.is_view() && t.host_bytes() == inline_bytes, field,
+                 " is not the request's inline bytes");
+    }
+  }
+
+  // Before work is submitted: the regions' contents a group of work starts from.
+  void StartWork() {
+    if (pending_.empty()) before_ = shm_.Snapshot();
   }
 
   void Append(std::string_view payload, bool fit) {
@@ -257,93 +539,202 @@ class RequestRun {
     if (!Parse(payload, &r)) return;
     if (fit && r.num_tokens() >= 1 && r.num_tokens() <= kMaxFitTokens) {
       const int64_t bytes = int64_t{r.num_tokens()} * k::kTokenBytes;
-      r.set_k(Stretch(r.k(), bytes));
-      r.set_v(Stretch(r.v().empty() ? r.k() : r.v(), bytes));
+      const std::string k_seed = r.k();
+      if (r.has_k_ref()) FitRef(r.mutable_k_ref(), bytes); else r.set_k(Stretch(r.k(), bytes));
+      if (r.has_v_ref()) FitRef(r.mutable_v_ref(), bytes);
+      else r.set_v(Stretch(r.v().empty() ? k_seed : r.v(), bytes));
     }
-    absl::StatusOr<AppendWork> work = CheckAppendValidation(r);
+    AppendJudgement judged;
+    absl::StatusOr<AppendWork> work = CheckAppendValidation(r, &judged);
     if (!work.ok()) return;
     KvModel::StepResult step;
     const Code want = model_.ApplyStep(r.sequence_id(), r.layer(), r.num_tokens(), &step);
     auto done = std::make_shared<std::promise<absl::StatusOr<int64_t>>>();
     std::shared_future<absl::StatusOr<int64_t>> future = done->get_future().share();
+    StartWork();
     engine_.Append(*std::move(work), [done](absl::StatusOr<int64_t> result) {
       done->set_value(std::move(result));
     });
-    pending_.push_back([future, want, length = step.length, id = r.sequence_id(), layer = r.layer(),
-                        tokens = r.num_tokens()] {
+    Pending pending;
+    for (const auto* p : {&judged.k, &judged.v}) {
+      if (*p) pending.reads.push_back(**p);
+    }
+    pending.check = [future, want, length = step.length, id = r.sequence_id(), layer = r.layer(),
+                     tokens = r.num_tokens()](bool, bool) {
       const absl::StatusOr<int64_t>& got = future.get();
       Trace("AppendKV(", id, ", layer ", layer, ", ", tokens, " tokens) -> ", got.status().ToString());
       FUZZ_CHECK(got.status().code() == want, "AppendKV(", id, ", layer ", layer, ", ", tokens,
                  " tokens): ", got.status().ToString(), ", model ", Name(want));
       if (got.ok()) FUZZ_CHECK(*got == length, "AppendKV length ", *got, ", model ", length);
-    });
+      return got.ok();
+    };
+    pending_.push_back(std::move(pending));
   }
+
+  // What a Decode's result is checked against.
+  struct DecodeExpectation {
+    Code want = Code::kOk;
+    std::vector<int64_t> visible;  // tokens each sequence attends to
+    std::vector<uint64_t> ids;
+    uint64_t request_id = 0;
+    int32_t layer = 0;
+    bool step = false;
+    float sm_scale = 0.0f;
+    std::optional<Place> output, lse;
+    // Every sequence attends to exactly its committed tokens after the call, so an attend-only
+    // rerun sees the same tokens.
+    bool rerunnable = false;
+    std::string q;            // inline q (for the rerun)
+    std::optional<Place> q_ref;
+  };
 
   void Decode(std::string_view payload, bool fit) {
     v1::DecodeRequest r;
     if (!Parse(payload, &r)) return;
     const int64_t b = r.sequence_ids_size();
     if (fit && b >= 1 && b <= kMaxBatch) {
-      r.set_q(Stretch(r.q(), b * k::kQueryBytes));
-      if (!r.k().empty() || !r.v().empty()) {
-        r.set_k(Stretch(r.k(), b * k::kTokenBytes));
-        r.set_v(Stretch(r.v().empty() ? r.k() : r.v(), b * k::kTokenBytes));
+      if (r.has_q_ref()) FitRef(r.mutable_q_ref(), b * k::kQueryBytes);
+      else r.set_q(Stretch(r.q(), b * k::kQueryBytes));
+      if (!r.k().empty() || !r.v().empty() || r.has_k_ref() || r.has_v_ref()) {
+        const std::string k_seed = r.k();
+        if (r.has_k_ref()) FitRef(r.mutable_k_ref(), b * k::kTokenBytes);
+        else r.set_k(Stretch(r.k(), b * k::kTokenBytes));
+        if (r.has_v_ref()) FitRef(r.mutable_v_ref(), b * k::kTokenBytes);
+        else r.set_v(Stretch(r.v().empty() ? k_seed : r.v(), b * k::kTokenBytes));
       }
+      if (r.has_output_ref()) FitRef(r.mutable_output_ref(), b * k::kQueryBytes);
+      if (r.has_lse_ref()) FitRef(r.mutable_lse_ref(), b * k::kNumQoHeads * 4);
     }
-    absl::StatusOr<DecodeWork> work = CheckDecodeValidation(r);
+    DecodeJudgement judged;
+    absl::StatusOr<DecodeWork> work = CheckDecodeValidation(r, &judged);
     if (!work.ok()) return;
-    std::vector<int64_t> visible = ExpectDecode(r);
-    const Code want = visible.empty() ? last_decode_error_ : Code::kOk;
+    DecodeExpectation e;
+    e.visible = ExpectDecode(r);
+    e.want = e.visible.empty() ? last_decode_error_ : Code::kOk;
+    e.ids.assign(r.sequence_ids().begin(), r.sequence_ids().end());
+    e.request_id = r.request_id();
+    e.layer = r.layer();
+    e.step = work->k.size() > 0;
+    e.sm_scale = r.sm_scale();
+    e.output = judged.output;
+    e.lse = judged.lse;
+    e.q = r.q();
+    e.q_ref = judged.q;
+    e.rerunnable = e.want == Code::kOk && (e.output || e.lse);
+    for (size_t i = 0; e.rerunnable && i < e.ids.size(); ++i) {
+      e.rerunnable = e.visible[i] == model_.Find(e.ids[i])->length;
+    }
     auto done = std::make_shared<std::promise<absl::StatusOr<DecodeOutput>>>();
     std::shared_future<absl::StatusOr<DecodeOutput>> future = done->get_future().share();
+    StartWork();
     engine_.Decode(*std::move(work), [done](absl::StatusOr<DecodeOutput> result) {
       done->set_value(std::move(result));
     });
-    std::vector<uint64_t> ids(r.sequence_ids().begin(), r.sequence_ids().end());
-    pending_.push_back([future, want, visible = std::move(visible), ids = std::move(ids),
-                        request_id = r.request_id(), layer = r.layer(), step = !r.k().empty()] {
-      CheckDecodeResult(future.get(), want, visible, ids, request_id, layer, step);
-    });
+    Pending pending;
+    for (const auto* p : {&judged.q, &judged.k, &judged.v}) {
+      if (*p) pending.reads.push_back(**p);
+    }
+    for (const auto* p : {&judged.output, &judged.lse}) {
+      if (*p) pending.writes.push_back(**p);
+    }
+    pending.check = [this, future, e = std::move(e)](bool quiet, bool last) {
+      return CheckDecodeResult(future.get(), e, quiet, last);
+    };
+    pending_.push_back(std::move(pending));
   }
 
-  static void CheckDecodeResult(const absl::StatusOr<DecodeOutput>& got, Code want,
-                                const std::vector<int64_t>& visible,
-                                const std::vector<uint64_t>& ids, uint64_t request_id,
-                                int32_t layer, bool step) {
-    const int64_t b = static_cast<int64_t>(ids.size());
-    Trace("Decode(", absl::StrJoin(ids, ","), ", layer ", layer, step ? ", step" : ", attend only",
-          ") -> ", got.status().ToString());
-    FUZZ_CHECK(got.status().code() == want, "Decode(", absl::StrJoin(ids, ","), ", layer ", layer,
-               step ? ", step" : ", attend only", "): ", got.status().ToString(), ", model ",
-               Name(want));
-    if (!got.ok()) return;
-    FUZZ_CHECK(got->request_id == request_id, "request id ", got->request_id, " for ", request_id);
-    FUZZ_CHECK(static_cast<int64_t>(got->output.size()) == b * k::kQueryBytes &&
-                   static_cast<int64_t>(got->lse.size()) == b * k::kNumQoHeads * 4,
-               "Decode output ", got->output.size(), " B, lse ", got->lse.size(), " B for B ", b);
+  // `quiet`: nothing else in the group wrote where this Decode reads or writes, so its region
+  // results can be read; `last`: nothing was submitted after it, so the engine is idle.
+  bool CheckDecodeResult(const absl::StatusOr<DecodeOutput>& got, const DecodeExpectation& e,
+                         bool quiet, bool last) {
+    const int64_t b = static_cast<int64_t>(e.ids.size());
+    const std::string what = absl::StrCat(
+        "Decode(", absl::StrJoin(e.ids, ","), ", layer ", e.layer,
+        e.step ? ", step" : ", attend only", e.output ? ", output_ref" : "",
+        e.lse ? ", lse_ref" : "", ")");
+    Trace(what, " -> ", got.status().ToString());
+    FUZZ_CHECK(got.status().code() == e.want, what, ": ", got.status().ToString(), ", model ",
+               Name(e.want));
+    if (!got.ok()) return false;
+    FUZZ_CHECK(got->request_id == e.request_id, "request id ", got->request_id, " for ",
+               e.request_id);
+    const int64_t out_bytes = b * k::kQueryBytes;
+    const int64_t lse_bytes = b * k::kNumQoHeads * 4;
+    FUZZ_CHECK(static_cast<int64_t>(got->output.size()) == (e.output ? 0 : out_bytes) &&
+                   static_cast<int64_t>(got->lse.size()) == (e.lse ? 0 : lse_bytes),
+               what, ": response output ", got->output.size(), " B, lse ", got->lse.size(),
+               " B for B ", b);
+    // The results, from the response or the regions (unless something else wrote there).
+    std::optional<std::string> output, lse;
+    if (!e.output) output = got->output; else if (quiet) output = shm_.Read(*e.output);
+    if (!e.lse) lse = got->lse; else if (quiet) lse = shm_.Read(*e.lse);
     for (int64_t i = 0; i < b; ++i) {
-      if (visible[i] != 0) continue;
-      const char* out = got->output.data() + i * k::kQueryBytes;
-      FUZZ_CHECK(std::all_of(out, out + k::kQueryBytes, [](char c) { return c == 0; }),
-                 "sequence ", ids[i], " has no tokens but a non-zero output");
-      for (int h = 0; h < k::kNumQoHeads; ++h) {
-        float lse;
-        std::memcpy(&lse, got->lse.data() + (i * k::kNumQoHeads + h) * 4, 4);
-        FUZZ_CHECK(std::isinf(lse) && lse < 0, "sequence ", ids[i], " has no tokens but lse ", lse);
+      if (e.visible[i] != 0) continue;
+      if (output) {
+        const char* out = output->data() + i * k::kQueryBytes;
+        FUZZ_CHECK(std::all_of(out, out + k::kQueryBytes, [](char c) { return c == 0; }),
+                   what, ": sequence ", e.ids[i], " has no tokens but a non-zero output");
+      }
+      for (int h = 0; lse && h < k::kNumQoHeads; ++h) {
+        float x;
+        std::memcpy(&x, lse->data() + (i * k::kNumQoHeads + h) * 4, 4);
+        FUZZ_CHECK(std::isinf(x) && x < 0, what, ": sequence ", e.ids[i],
+                   " has no tokens but lse ", x);
       }
     }
+    if (e.rerunnable && quiet && last) {
+      // The same tokens attended again, every tensor inline: the results must be the same.
+      v1::DecodeRequest again;
+      again.set_request_id(e.request_id);
+      again.set_layer(e.layer);
+      for (uint64_t id : e.ids) again.add_sequence_ids(id);
+      again.set_q(e.q_ref ? shm_.Read(*e.q_ref) : e.q);
+      again.set_sm_scale(e.sm_scale);
+      absl::StatusOr<DecodeWork> work = ToDecodeWork(again, config_, nullptr);
+      FUZZ_CHECK(work.ok(), "rerun: ", work.status().ToString());
+      std::promise<absl::StatusOr<DecodeOutput>> done;
+      std::future<absl::StatusOr<DecodeOutput>> future = done.get_future();
+      engine_.Decode(*std::move(work), [&done](absl::StatusOr<DecodeOutput> result) {
+        done.set_value(std::move(result));
+      });
+      const absl::StatusOr<DecodeOutput> inline_result = future.get();
+      FUZZ_CHECK(inline_result.ok(), what, ": inline rerun ", inline_result.status().ToString());
+      FUZZ_CHECK(*output == inline_result->output, what,
+                 ": output differs from the same Decode rerun with inline tensors");
+      FUZZ_CHECK(*lse == inline_result->lse, what,
+                 ": lse differs from the same Decode rerun with inline tensors");
+      Trace("  rerun inline: same output and lse");
+    }
+    return true;
   }
 
-  // Checks the results of everything submitted, in order.
+  // Checks the results of everything submitted, in order, then that the regions changed only
+  // where successful Decodes wrote their output_ref / lse_ref.
   void Drain() {
-    for (const auto& check : pending_) check();
+    if (pending_.empty()) return;
+    std::vector<Place> written;
+    for (size_t i = 0; i < pending_.size(); ++i) {
+      bool quiet = true;
+      for (size_t j = 0; j < pending_.size() && quiet; ++j) {
+        if (j == i) continue;
+        for (const Place& w : pending_[j].writes) {
+          for (const auto* mine : {&pending_[i].reads, &pending_[i].writes}) {
+            for (const Place& p : *mine) quiet = quiet && !Intersect(w, p);
+          }
+        }
+      }
+      if (pending_[i].check(quiet, i + 1 == pending_.size())) {
+        written.insert(written.end(), pending_[i].writes.begin(), pending_[i].writes.end());
+      }
+    }
+    shm_.CheckUnchangedOutside(before_, written);
     pending_.clear();
   }
 
   // Applies the Decode to the model as the engine should, all or nothing. Returns the visible
   // token count of each sequence, or an empty vector with last_decode_error_ set.
   std::vector<int64_t> ExpectDecode(const v1::DecodeRequest& r) {
-    const bool step = !r.k().empty();
+    const bool step = !r.k().empty() || r.has_k_ref();  // validated: k and v both given, or neither
     std::vector<int64_t> visible;
     int64_t needed = 0;
     for (uint64_t id : r.sequence_ids()) {
@@ -399,11 +790,21 @@ class RequestRun {
                " sequences left");
   }
 
+  // An Append or Decode submitted. `check` checks its result and returns whether it succeeded;
+  // `reads` and `writes` are where it reads and writes the regions.
+  struct Pending {
+    std::function<bool(bool quiet, bool last)> check;
+    std::vector<Place> reads, writes;
+  };
+
   Engine& engine_;
+  SharedMemory& shm_;
   const ModelConfig config_;
   KvModel model_;
   // Appends and Decodes submitted, whose results are still to be checked (in order).
-  std::vector<std::function<void()>> pending_;
+  std::vector<Pending> pending_;
+  // The regions' contents before the first of them was submitted.
+  std::vector<std::string> before_;
   Code last_decode_error_ = Code::kOk;
 };
 
