@@ -4,7 +4,8 @@
 //
 // Checked for every message:
 //   - validation accepts exactly the requests the proto contract calls valid (an independent
-//     predicate below), and the work it builds carries the request's fields unchanged;
+//     predicate, request_contract.h), and the work it builds carries the request's fields
+//     unchanged (inline bytes, or views of the bytes its references name);
 //   - the engine's status code for every call is the one KvModel predicts (so: state never
 //     changes on error, all-or-nothing page use, layer order, fork and release rules), and
 //     GetStats (pages free, sequences, tokens, queue) agrees with the model after every call;
@@ -12,11 +13,10 @@
 //     tokens reads zeros with lse -inf.
 // After each input every sequence it left is released: all pages must be free again.
 //
-// Tensors by reference: at start the process creates two POSIX shared-memory objects (random
-// bf16 data), registers them with a MemoryRegistry of its own (no mapper) as three regions, one
-// object under two names ("fz-a" whole, "fz-a-mid" a window of it, "fz-b"), and unlinks them
-// at once (the mappings stay; nothing is left behind however the process ends). Every input
-// starts from the same region contents. Validation gets the registry, and the predicate knows
+// Tensors by reference: the regions of fuzz_regions.h (two POSIX shared-memory objects of random
+// bf16 data registered with a MemoryRegistry of the process's own as "fz-a", "fz-a-mid", a
+// window of the same object, and "fz-b"; unlinked at once). Every input starts from the same
+// region contents. Validation gets the registry, and the predicate knows
 // the ref rules: NOT_FOUND for an unknown region, INVALID_ARGUMENT for a wrong byte_size, an
 // offset not a multiple of 16, a range outside the region, a tensor given both ways, an output
 // overlapping an input or the other output (within one object, whatever region names it).
@@ -42,7 +42,6 @@
 //                 reference is not stretched inline.
 //   length (2 bytes, little endian), then that many payload bytes: the serialized message.
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -51,25 +50,20 @@
 #include <limits>
 #include <memory>
 #include <optional>
-#include <random>
 #include <string>
 #include <vector>
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <unistd.h>
-
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_join.h"
 #include "pagedattn/kernels/decode.h"
 #include "pagedattn/v1/pagedattn.pb.h"
 #include "server/backend/cpu_backend.h"
 #include "server/engine/engine.h"
-#include "server/memory/memory_registry.h"
 #include "server/service/validation.h"
 #include "tests/fuzz/fuzz_input.h"
+#include "tests/fuzz/fuzz_regions.h"
 #include "tests/fuzz/kv_model.h"
+#include "tests/fuzz/request_contract.h"
 
 namespace pagedattn::fuzz {
 namespace {
@@ -113,246 +107,6 @@ std::string Stretch(const std::string& bytes, int64_t size) {
   }
   out.resize(size);
   return out;
-}
-
-// Where a reference's bytes are: [begin, end) of shared-memory object `object`.
-struct Place {
-  int object = 0;
-  uint64_t begin = 0;
-  uint64_t end = 0;
-};
-
-bool Intersect(const Place& a, const Place& b) {
-  return a.object == b.object && a.begin < b.end && b.begin < a.end;
-}
-
-// The POSIX shared-memory objects behind the registered regions, mapped in this process too,
-// and the registry validation resolves references with. Process-wide, never destroyed.
-class SharedMemory {
- public:
-  struct Region {
-    const char* name;
-    int object;
-    uint64_t offset;  // where the region starts in its object
-    uint64_t size;
-  };
-  static constexpr int kObjects = 2;
-  static constexpr uint64_t kObjectBytes[kObjects] = {256 << 10, 48 << 10};
-  // Object 0 under two names: "fz-a-mid" is [64 KiB, 200 KiB) of "fz-a". Both hold a fitted
-  // AppendKV of kMaxFitTokens tokens (127 KiB).
-  static constexpr Region kRegions[] = {{"fz-a", 0, 0, 256 << 10},
-                                        {"fz-a-mid", 0, 64 << 10, 136 << 10},
-                                        {"fz-b", 1, 0, 48 << 10}};
-
-  static SharedMemory& Get() {
-    static SharedMemory* const shm = new SharedMemory();
-    return *shm;
-  }
-
-  static const Region* Find(std::string_view name) {
-    for (const Region& r : kRegions) {
-      if (name == r.name) return &r;
-    }
-    return nullptr;
-  }
-
-  const MemoryRegistry* registry() const { return registry_.get(); }
-  const char* data(const Place& p) const { return base_[p.object] + p.begin; }
-  std::string Read(const Place& p) const { return std::string(data(p), p.end - p.begin); }
-
-  // Puts back the contents every input starts from.
-  void Reset() {
-    for (int i = 0; i < kObjects; ++i) std::memcpy(base_[i], pristine_[i].data(), kObjectBytes[i]);
-  }
-  std::vector<std::string> Snapshot() const {
-    std::vector<std::string> copy;
-    for (int i = 0; i < kObjects; ++i) copy.emplace_back(base_[i], kObjectBytes[i]);
-    return copy;
-  }
-  // Every byte outside `written` must still be as in `before`.
-  void CheckUnchangedOutside(const std::vector<std::string>& before,
-                             const std::vector<Place>& written) const {
-    for (int i = 0; i < kObjects; ++i) {
-      std::vector<std::pair<uint64_t, uint64_t>> ranges;
-      for (const Place& p : written) {
-        if (p.object == i) ranges.emplace_back(p.begin, p.end);
-      }
-      std::sort(ranges.begin(), ranges.end());
-      uint64_t at = 0;
-      auto check = [&](uint64_t from, uint64_t to) {
-        for (uint64_t x = from; x < to; ++x) {
-          FUZZ_CHECK(base_[i][x] == before[i][x], "object ", i, " byte ", x,
-                     " changed outside every successful output_ref / lse_ref");
-        }
-      };
-      for (const auto& [b, e] : ranges) {
-        if (b > at && std::memcmp(base_[i] + at, before[i].data() + at, b - at) != 0) check(at, b);
-        at = std::max(at, e);
-      }
-      const uint64_t end = kObjectBytes[i];
-      if (end > at && std::memcmp(base_[i] + at, before[i].data() + at, end - at) != 0) check(at, end);
-    }
-  }
-
- private:
-  SharedMemory() {
-    std::vector<std::string> keys;
-    // Unlinks what was created before failing, so that nothing outlives the process.
-    auto require = [&keys](bool ok, const std::string& what) {
-      if (ok) return;
-      for (const std::string& key : keys) shm_unlink(key.c_str());
-      FUZZ_CHECK(ok, what);
-    };
-    std::mt19937 rng(0x5eed);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    for (int i = 0; i < kObjects; ++i) {
-      const std::string key = absl::StrCat("/pagedattn-fuzz-", getpid(), "-", i);
-      const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-      require(fd >= 0, absl::StrCat("shm_open ", key, ": ", std::strerror(errno)));
-      keys.push_back(key);
-      require(ftruncate(fd, kObjectBytes[i]) == 0, absl::StrCat("ftruncate: ", std::strerror(errno)));
-      void* base = mmap(nullptr, kObjectBytes[i], PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      close(fd);
-      require(base != MAP_FAILED, absl::StrCat("mmap: ", std::strerror(errno)));
-      base_[i] = static_cast<char*>(base);
-      // Random normal bf16 (rounded to nearest even).
-      for (uint64_t x = 0; x < kObjectBytes[i]; x += 2) {
-        uint32_t bits;
-        const float f = normal(rng);
-        std::memcpy(&bits, &f, 4);
-        const uint16_t h = static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-        std::memcpy(base_[i] + x, &h, 2);
-      }
-      pristine_[i].assign(base_[i], kObjectBytes[i]);
-    }
-    MemoryRegistry::Options options;  // no mapper: system regions only, as with no GPU
-    auto registry = MemoryRegistry::Create(options);
-    require(registry.ok(), registry.status().ToString());
-    registry_ = *std::move(registry);
-    for (const Region& r : kRegions) {
-      const absl::Status s = registry_->RegisterSystem(r.name, keys[r.object], r.offset, r.size);
-      require(s.ok(), absl::StrCat("RegisterSystem ", r.name, ": ", s.ToString()));
-    }
-    // The registry and this process keep their mappings; the names go at once, so nothing is
-    // left in /dev/shm however the process ends.
-    for (const std::string& key : keys) {
-      FUZZ_CHECK(shm_unlink(key.c_str()) == 0, "shm_unlink ", key, ": ", std::strerror(errno));
-    }
-  }
-
-  char* base_[kObjects] = {};
-  std::string pristine_[kObjects];
-  std::unique_ptr<MemoryRegistry> registry_;
-};
-
-// The codes the contract allows for a request: OK when it breaks no rule, else the code of any
-// rule it breaks (the contract does not order the rules).
-struct Verdict {
-  bool invalid = false;    // a rule whose code is INVALID_ARGUMENT is broken
-  bool not_found = false;  // a reference names an unknown region
-  bool valid() const { return !invalid && !not_found; }
-  bool Allows(Code code) const {
-    if (code == Code::kOk) return valid();
-    if (code == Code::kInvalidArgument) return invalid;
-    if (code == Code::kNotFound) return not_found;
-    return false;
-  }
-  std::string ToString() const {
-    if (valid()) return "valid";
-    return absl::StrCat(invalid ? "INVALID_ARGUMENT" : "", invalid && not_found ? " or " : "",
-                        not_found ? "NOT_FOUND" : "");
-  }
-};
-
-// One tensor, given inline (`inline_bytes` of them) or by reference (`has_ref`): exactly one
-// way, `expected` bytes either way. Sets *place for a reference that keeps its own rules.
-void JudgeTensor(size_t inline_bytes, bool has_ref, const v1::TensorRef& ref, int64_t expected,
-                 Verdict* verdict, std::optional<Place>* place) {
-  if (!has_ref) {
-    if (static_cast<int64_t>(inline_bytes) != expected) verdict->invalid = true;
-    return;
-  }
-  bool ok = true;
-  if (inline_bytes != 0) ok = false;  // both ways
-  if (expected < 0 || ref.byte_size() != static_cast<uint64_t>(expected)) ok = false;
-  if (ref.offset() % 16 != 0) ok = false;
-  if (!ok) verdict->invalid = true;
-  const SharedMemory::Region* region = SharedMemory::Find(ref.region());
-  if (region == nullptr) {
-    verdict->not_found = true;
-    return;
-  }
-  if (ref.offset() > region->size || ref.byte_size() > region->size - ref.offset()) {
-    verdict->invalid = true;
-    return;
-  }
-  if (ok) {
-    const uint64_t begin = region->offset + ref.offset();
-    *place = Place{region->object, begin, begin + ref.byte_size()};
-  }
-}
-
-// The contract's validity rules (proto/pagedattn/v1/pagedattn.proto), written independently of
-// server/service/validation.cc, and where a request's references lead.
-struct DecodeJudgement {
-  Verdict verdict;
-  std::optional<Place> q, k, v, output, lse;
-};
-
-DecodeJudgement JudgeDecode(const v1::DecodeRequest& r) {
-  DecodeJudgement j;
-  Verdict& verdict = j.verdict;
-  const int64_t b = r.sequence_ids_size();
-  if (b < 1 || b > kMaxBatch) verdict.invalid = true;
-  if (r.layer() < 0 || r.layer() >= kLayers) verdict.invalid = true;
-  absl::flat_hash_set<uint64_t> ids(r.sequence_ids().begin(), r.sequence_ids().end());
-  if (static_cast<int64_t>(ids.size()) != b) verdict.invalid = true;
-  JudgeTensor(r.q().size(), r.has_q_ref(), r.q_ref(), b * k::kQueryBytes, &verdict, &j.q);
-  const bool has_k = !r.k().empty() || r.has_k_ref();
-  const bool has_v = !r.v().empty() || r.has_v_ref();
-  if (has_k != has_v) {
-    verdict.invalid = true;
-  } else if (has_k) {
-    JudgeTensor(r.k().size(), r.has_k_ref(), r.k_ref(), b * k::kTokenBytes, &verdict, &j.k);
-    JudgeTensor(r.v().size(), r.has_v_ref(), r.v_ref(), b * k::kTokenBytes, &verdict, &j.v);
-  }
-  if (r.has_output_ref()) {
-    JudgeTensor(0, true, r.output_ref(), b * k::kQueryBytes, &verdict, &j.output);
-  }
-  if (r.has_lse_ref()) {
-    JudgeTensor(0, true, r.lse_ref(), b * k::kNumQoHeads * 4, &verdict, &j.lse);
-  }
-  // Outputs overlap neither each other nor an input; inputs may overlap each other.
-  if (j.output && j.lse && Intersect(*j.output, *j.lse)) verdict.invalid = true;
-  for (const std::optional<Place>* out : {&j.output, &j.lse}) {
-    for (const std::optional<Place>* in : {&j.q, &j.k, &j.v}) {
-      if (*out && *in && Intersect(**out, **in)) verdict.invalid = true;
-    }
-  }
-  if (!std::isfinite(r.sm_scale()) || r.sm_scale() < 0.0f) verdict.invalid = true;
-  return j;
-}
-
-struct AppendJudgement {
-  Verdict verdict;
-  std::optional<Place> k, v;
-};
-
-AppendJudgement JudgeAppend(const v1::AppendKVRequest& r) {
-  AppendJudgement j;
-  if (r.layer() < 0 || r.layer() >= kLayers || r.num_tokens() < 1) j.verdict.invalid = true;
-  const int64_t bytes = int64_t{r.num_tokens()} * k::kTokenBytes;
-  JudgeTensor(r.k().size(), r.has_k_ref(), r.k_ref(), bytes, &j.verdict, &j.k);
-  JudgeTensor(r.v().size(), r.has_v_ref(), r.v_ref(), bytes, &j.verdict, &j.v);
-  return j;
-}
-
-// "fit" for a reference: the tensor's byte_size, and in a known region an offset inside it.
-void FitRef(v1::TensorRef* ref, int64_t bytes) {
-  ref->set_byte_size(static_cast<uint64_t>(bytes));
-  const SharedMemory::Region* region = SharedMemory::Find(ref->region());
-  if (region == nullptr || region->size < static_cast<uint64_t>(bytes)) return;
-  ref->set_offset(ref->offset() % (region->size - bytes + 1) / 16 * 16);
 }
 
 class RequestRun {
@@ -467,7 +221,7 @@ class RequestRun {
                                                    AppendJudgement* judged) {
     absl::StatusOr<AppendWork> work = ToAppendWork(r, config_, shm_.registry());
     if (!work.ok()) Trace("ToAppendWork -> ", work.status().ToString());
-    *judged = JudgeAppend(r);
+    *judged = JudgeAppend(r, kLayers);
     FUZZ_CHECK(judged->verdict.Allows(work.status().code()), "ToAppendWork: ",
                work.status().ToString(), "; the contract says ", judged->verdict.ToString(),
                " (layer ", r.layer(), ", num_tokens ", r.num_tokens(), ", k ", r.k().size(),
@@ -486,13 +240,14 @@ class RequestRun {
                                                    DecodeJudgement* judged) {
     absl::StatusOr<DecodeWork> work = ToDecodeWork(r, config_, shm_.registry());
     if (!work.ok()) Trace("ToDecodeWork -> ", work.status().ToString());
-    *judged = JudgeDecode(r);
+    *judged = JudgeDecode(r, kLayers, kMaxBatch);
     FUZZ_CHECK(judged->verdict.Allows(work.status().code()), "ToDecodeWork: ",
                work.status().ToString(), "; the contract says ", judged->verdict.ToString(),
                " (B ", r.sequence_ids_size(), ", layer ", r.layer(), ", q ", r.q().size(), " B",
                RefText(r.has_q_ref(), r.q_ref()), ", k ", r.k().size(), " B",
                RefText(r.has_k_ref(), r.k_ref()), ", v ", r.v().size(), " B",
-               RefText(r.has_v_ref(), r.v_ref()), ", output", RefText(r.has_output_ref(), r.output_ref()),
+               RefText(r.has_v_ref(), r.v_ref()), ", output",
+               RefText(r.has_output_ref(), r.output_ref()),
                ", lse", RefText(r.has_lse_ref(), r.lse_ref()), ", sm_scale ", r.sm_scale(), ")");
     if (!work.ok()) return work;
     const float scale = r.sm_scale() == 0.0f ? 1.0f / std::sqrt(128.0f) : r.sm_scale();
@@ -520,8 +275,8 @@ class RequestRun {
   void CheckTensor(const char* field, const Tensor& t, std::string_view inline_bytes,
                    const std::optional<Place>& place) const {
     if (place) {
-      FUZZ_CHECK(t.is_view() && !t.on_device() &&
-                     t.host_bytes() == std::string_view(shm_.data(*place), place->end - place->begin),
+      const std::string_view named(shm_.data(*place), place->end - place->begin);
+      FUZZ_CHECK(t.is_view() && !t.on_device() && t.host_bytes() == named,
                  field, " does not view the bytes its reference names");
     } else {
       FUZZ_CHECK(!t.is_view() && t.host_bytes() == inline_bytes, field,
