@@ -4,13 +4,29 @@
 //
 // Checked for every message:
 //   - validation accepts exactly the requests the proto contract calls valid (an independent
-//     predicate below), and the work it builds carries the request's fields unchanged;
+//     predicate, request_contract.h), and the work it builds carries the request's fields
+//     unchanged (inline bytes, or views of the bytes its references name);
 //   - the engine's status code for every call is the one KvModel predicts (so: state never
 //     changes on error, all-or-nothing page use, layer order, fork and release rules), and
 //     GetStats (pages free, sequences, tokens, queue) agrees with the model after every call;
 //   - Decode output and lse have B rows, the request id comes back, and a sequence with no
 //     tokens reads zeros with lse -inf.
 // After each input every sequence it left is released: all pages must be free again.
+//
+// Tensors by reference: the regions of fuzz_regions.h (two POSIX shared-memory objects of random
+// bf16 data registered with a MemoryRegistry of the process's own as "fz-a", "fz-a-mid", a
+// window of the same object, and "fz-b"; unlinked at once). Every input starts from the same
+// region contents. Validation gets the registry, and the predicate knows
+// the ref rules: NOT_FOUND for an unknown region, INVALID_ARGUMENT for a wrong byte_size, an
+// offset not a multiple of 16, a range outside the region, a tensor given both ways, an output
+// overlapping an input or the other output (within one object, whatever region names it).
+// When a request breaks rules of both codes, either code is accepted (the contract gives no
+// order). Work built from references must view the same bytes. After each group of submitted
+// work (what one Drain checks): bytes outside the successful Decodes' output_ref / lse_ref
+// ranges are unchanged; a Decode with output_ref / lse_ref has empty response fields, its
+// region results read zeros / -inf for a sequence with no tokens, and, when nothing else in
+// the group wrote near its ranges and it attended to exactly the committed tokens, its results
+// equal those of the same Decode rerun attend-only with inline tensors.
 //
 // Input: records until the bytes run out (at most kMaxRecords):
 //   tag (1 byte): low 3 bits pick the message (0 CreateSequence, 1 AppendKV, 2 Decode,
@@ -20,7 +36,10 @@
 //                 num_tokens call for (repeating the bytes given), so that short inputs reach
 //                 the engine; bit 4 "queue": an AppendKV or Decode is submitted without
 //                 waiting for it, so that the next ones share its batch (up to kMaxQueued;
-//                 any other call first waits for everything submitted).
+//                 any other call first waits for everything submitted). "fit" also sets
+//                 every TensorRef's byte_size to its tensor's size and, in a known region,
+//                 folds its offset into the region (a multiple of 16); a tensor given by
+//                 reference is not stretched inline.
 //   length (2 bytes, little endian), then that many payload bytes: the serialized message.
 #include <algorithm>
 #include <cmath>
@@ -30,18 +49,22 @@
 #include <future>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
-#include "absl/container/flat_hash_set.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_join.h"
+#include "google/protobuf/stubs/logging.h"
 #include "pagedattn/kernels/decode.h"
 #include "pagedattn/v1/pagedattn.pb.h"
 #include "server/backend/cpu_backend.h"
 #include "server/engine/engine.h"
 #include "server/service/validation.h"
 #include "tests/fuzz/fuzz_input.h"
+#include "tests/fuzz/fuzz_regions.h"
 #include "tests/fuzz/kv_model.h"
+#include "tests/fuzz/request_contract.h"
 
 namespace pagedattn::fuzz {
 namespace {
@@ -87,35 +110,16 @@ std::string Stretch(const std::string& bytes, int64_t size) {
   return out;
 }
 
-// The contract's validity rules (proto/pagedattn/v1/pagedattn.proto), written independently of
-// server/service/validation.cc.
-bool DecodeIsValid(const v1::DecodeRequest& r) {
-  const int64_t b = r.sequence_ids_size();
-  if (b < 1 || b > kMaxBatch) return false;
-  if (r.layer() < 0 || r.layer() >= kLayers) return false;
-  absl::flat_hash_set<uint64_t> ids(r.sequence_ids().begin(), r.sequence_ids().end());
-  if (static_cast<int64_t>(ids.size()) != b) return false;
-  if (static_cast<int64_t>(r.q().size()) != b * k::kQueryBytes) return false;
-  if (r.k().empty() != r.v().empty()) return false;
-  if (!r.k().empty() && (static_cast<int64_t>(r.k().size()) != b * k::kTokenBytes ||
-                         static_cast<int64_t>(r.v().size()) != b * k::kTokenBytes)) {
-    return false;
-  }
-  return std::isfinite(r.sm_scale()) && r.sm_scale() >= 0.0f;
-}
-
-bool AppendIsValid(const v1::AppendKVRequest& r) {
-  if (r.layer() < 0 || r.layer() >= kLayers || r.num_tokens() < 1) return false;
-  const int64_t bytes = int64_t{r.num_tokens()} * k::kTokenBytes;
-  return static_cast<int64_t>(r.k().size()) == bytes && static_cast<int64_t>(r.v().size()) == bytes;
-}
-
 class RequestRun {
  public:
   RequestRun(Engine& engine, const ModelConfig& config)
-      : engine_(engine), config_(config), model_(kLayers, kPages, k::kPageSize) {}
+      : engine_(engine),
+        shm_(SharedMemory::Get()),
+        config_(config),
+        model_(kLayers, kPages, k::kPageSize) {}
 
   void Run(FuzzInput& in) {
+    shm_.Reset();
     CheckStats("start of input");
     for (int i = 0; i < kMaxRecords && !in.empty(); ++i) {
       const uint8_t tag = in.Byte();
@@ -145,6 +149,9 @@ class RequestRun {
  private:
   template <typename Message>
   static bool Parse(std::string_view payload, Message* m) {
+    // A TensorRef region that is not UTF-8 fails the parse, which protobuf also logs: the
+    // fuzzer makes such bytes all the time, and the log would drown its own output.
+    google::protobuf::LogSilencer silence;
     return m->ParseFromArray(payload.data(), static_cast<int>(payload.size()));
   }
 
@@ -207,49 +214,83 @@ class RequestRun {
     (void)Parse(payload, &release);
     (void)Parse(payload, &stats);
     v1::AppendKVRequest append;
-    if (Parse(payload, &append)) (void)CheckAppendValidation(append);
+    AppendJudgement append_judged;
+    if (Parse(payload, &append)) (void)CheckAppendValidation(append, &append_judged);
     v1::DecodeRequest decode;
-    if (Parse(payload, &decode)) (void)CheckDecodeValidation(decode);
+    DecodeJudgement decode_judged;
+    if (Parse(payload, &decode)) (void)CheckDecodeValidation(decode, &decode_judged);
   }
 
-  absl::StatusOr<AppendWork> CheckAppendValidation(const v1::AppendKVRequest& r) {
-    absl::StatusOr<AppendWork> work = ToAppendWork(r, config_);
+  absl::StatusOr<AppendWork> CheckAppendValidation(const v1::AppendKVRequest& r,
+                                                   AppendJudgement* judged) {
+    absl::StatusOr<AppendWork> work = ToAppendWork(r, config_, shm_.registry());
     if (!work.ok()) Trace("ToAppendWork -> ", work.status().ToString());
-    const bool valid = AppendIsValid(r);
-    FUZZ_CHECK(work.ok() == valid, "ToAppendWork: ", work.status().ToString(), "; the contract says ",
-               valid ? "valid" : "invalid", " (layer ", r.layer(), ", num_tokens ", r.num_tokens(),
-               ", k ", r.k().size(), " B, v ", r.v().size(), " B)");
-    if (!work.ok()) {
-      FUZZ_CHECK(absl::IsInvalidArgument(work.status()), work.status().ToString());
-      return work;
-    }
+    *judged = JudgeAppend(r, kLayers);
+    FUZZ_CHECK(judged->verdict.Allows(work.status().code()), "ToAppendWork: ",
+               work.status().ToString(), "; the contract says ", judged->verdict.ToString(),
+               " (layer ", r.layer(), ", num_tokens ", r.num_tokens(), ", k ", r.k().size(),
+               " B", RefText(r.has_k_ref(), r.k_ref()), ", v ", r.v().size(), " B",
+               RefText(r.has_v_ref(), r.v_ref()), ")");
+    if (!work.ok()) return work;
     FUZZ_CHECK(work->sequence_id == r.sequence_id() && work->layer == r.layer() &&
-                   work->num_tokens == r.num_tokens() && work->k.host_bytes() == r.k() && work->v.host_bytes() == r.v(),
+                   work->num_tokens == r.num_tokens(),
                "ToAppendWork changed the request's fields");
+    CheckTensor("k", work->k, r.k(), judged->k);
+    CheckTensor("v", work->v, r.v(), judged->v);
     return work;
   }
 
-  absl::StatusOr<DecodeWork> CheckDecodeValidation(const v1::DecodeRequest& r) {
-    absl::StatusOr<DecodeWork> work = ToDecodeWork(r, config_);
+  absl::StatusOr<DecodeWork> CheckDecodeValidation(const v1::DecodeRequest& r,
+                                                   DecodeJudgement* judged) {
+    absl::StatusOr<DecodeWork> work = ToDecodeWork(r, config_, shm_.registry());
     if (!work.ok()) Trace("ToDecodeWork -> ", work.status().ToString());
-    const bool valid = DecodeIsValid(r);
-    FUZZ_CHECK(work.ok() == valid, "ToDecodeWork: ", work.status().ToString(), "; the contract says ",
-               valid ? "valid" : "invalid", " (B ", r.sequence_ids_size(), ", layer ", r.layer(),
-               ", q ", r.q().size(), " B, k ", r.k().size(), " B, v ", r.v().size(),
-               " B, sm_scale ", r.sm_scale(), ")");
-    if (!work.ok()) {
-      FUZZ_CHECK(absl::IsInvalidArgument(work.status()), work.status().ToString());
-      return work;
-    }
+    *judged = JudgeDecode(r, kLayers, kMaxBatch);
+    FUZZ_CHECK(judged->verdict.Allows(work.status().code()), "ToDecodeWork: ",
+               work.status().ToString(), "; the contract says ", judged->verdict.ToString(),
+               " (B ", r.sequence_ids_size(), ", layer ", r.layer(), ", q ", r.q().size(), " B",
+               RefText(r.has_q_ref(), r.q_ref()), ", k ", r.k().size(), " B",
+               RefText(r.has_k_ref(), r.k_ref()), ", v ", r.v().size(), " B",
+               RefText(r.has_v_ref(), r.v_ref()), ", output",
+               RefText(r.has_output_ref(), r.output_ref()),
+               ", lse", RefText(r.has_lse_ref(), r.lse_ref()), ", sm_scale ", r.sm_scale(), ")");
+    if (!work.ok()) return work;
     const float scale = r.sm_scale() == 0.0f ? 1.0f / std::sqrt(128.0f) : r.sm_scale();
     FUZZ_CHECK(work->request_id == r.request_id() && work->layer == r.layer() &&
                    std::equal(work->sequence_ids.begin(), work->sequence_ids.end(),
-                              r.sequence_ids().begin(), r.sequence_ids().end()) &&
-                   work->q.host_bytes() == r.q() && work->k.host_bytes() == r.k() && work->v.host_bytes() == r.v(),
+                              r.sequence_ids().begin(), r.sequence_ids().end()),
                "ToDecodeWork changed the request's fields");
+    CheckTensor("q", work->q, r.q(), judged->q);
+    CheckTensor("k", work->k, r.k(), judged->k);
+    CheckTensor("v", work->v, r.v(), judged->v);
+    CheckTensor("output", work->output, "", judged->output);
+    CheckTensor("lse", work->lse, "", judged->lse);
     FUZZ_CHECK(std::fabs(work->sm_scale - scale) <= 1e-6f * scale && work->sm_scale > 0.0f,
                "sm_scale ", r.sm_scale(), " resolved to ", work->sm_scale);
     return work;
+  }
+
+  static std::string RefText(bool has_ref, const v1::TensorRef& ref) {
+    if (!has_ref) return "";
+    return absl::StrCat(" ref {\"", absl::CHexEscape(ref.region()), "\", ", ref.offset(), ", ",
+                        ref.byte_size(), "}");
+  }
+
+  // A work tensor holds the request's inline bytes, or views the bytes its reference names.
+  void CheckTensor(const char* field, const Tensor& t, std::string_view inline_bytes,
+                   const std::optional<Place>& place) const {
+    if (place) {
+      const std::string_view named(shm_.data(*place), place->end - place->begin);
+      FUZZ_CHECK(t.is_view() && !t.on_device() && t.host_bytes() == named,
+                 field, " does not view the bytes its reference names");
+    } else {
+      FUZZ_CHECK(!t.is_view() && t.host_bytes() == inline_bytes, field,
+                 " is not the request's inline bytes");
+    }
+  }
+
+  // Before work is submitted: the regions' contents a group of work starts from.
+  void StartWork() {
+    if (pending_.empty()) before_ = shm_.Snapshot();
   }
 
   void Append(std::string_view payload, bool fit) {
@@ -257,93 +298,202 @@ class RequestRun {
     if (!Parse(payload, &r)) return;
     if (fit && r.num_tokens() >= 1 && r.num_tokens() <= kMaxFitTokens) {
       const int64_t bytes = int64_t{r.num_tokens()} * k::kTokenBytes;
-      r.set_k(Stretch(r.k(), bytes));
-      r.set_v(Stretch(r.v().empty() ? r.k() : r.v(), bytes));
+      const std::string k_seed = r.k();
+      if (r.has_k_ref()) FitRef(r.mutable_k_ref(), bytes); else r.set_k(Stretch(r.k(), bytes));
+      if (r.has_v_ref()) FitRef(r.mutable_v_ref(), bytes);
+      else r.set_v(Stretch(r.v().empty() ? k_seed : r.v(), bytes));
     }
-    absl::StatusOr<AppendWork> work = CheckAppendValidation(r);
+    AppendJudgement judged;
+    absl::StatusOr<AppendWork> work = CheckAppendValidation(r, &judged);
     if (!work.ok()) return;
     KvModel::StepResult step;
     const Code want = model_.ApplyStep(r.sequence_id(), r.layer(), r.num_tokens(), &step);
     auto done = std::make_shared<std::promise<absl::StatusOr<int64_t>>>();
     std::shared_future<absl::StatusOr<int64_t>> future = done->get_future().share();
+    StartWork();
     engine_.Append(*std::move(work), [done](absl::StatusOr<int64_t> result) {
       done->set_value(std::move(result));
     });
-    pending_.push_back([future, want, length = step.length, id = r.sequence_id(), layer = r.layer(),
-                        tokens = r.num_tokens()] {
+    Pending pending;
+    for (const auto* p : {&judged.k, &judged.v}) {
+      if (*p) pending.reads.push_back(**p);
+    }
+    pending.check = [future, want, length = step.length, id = r.sequence_id(), layer = r.layer(),
+                     tokens = r.num_tokens()](bool, bool) {
       const absl::StatusOr<int64_t>& got = future.get();
       Trace("AppendKV(", id, ", layer ", layer, ", ", tokens, " tokens) -> ", got.status().ToString());
       FUZZ_CHECK(got.status().code() == want, "AppendKV(", id, ", layer ", layer, ", ", tokens,
                  " tokens): ", got.status().ToString(), ", model ", Name(want));
       if (got.ok()) FUZZ_CHECK(*got == length, "AppendKV length ", *got, ", model ", length);
-    });
+      return got.ok();
+    };
+    pending_.push_back(std::move(pending));
   }
+
+  // What a Decode's result is checked against.
+  struct DecodeExpectation {
+    Code want = Code::kOk;
+    std::vector<int64_t> visible;  // tokens each sequence attends to
+    std::vector<uint64_t> ids;
+    uint64_t request_id = 0;
+    int32_t layer = 0;
+    bool step = false;
+    float sm_scale = 0.0f;
+    std::optional<Place> output, lse;
+    // Every sequence attends to exactly its committed tokens after the call, so an attend-only
+    // rerun sees the same tokens.
+    bool rerunnable = false;
+    std::string q;            // inline q (for the rerun)
+    std::optional<Place> q_ref;
+  };
 
   void Decode(std::string_view payload, bool fit) {
     v1::DecodeRequest r;
     if (!Parse(payload, &r)) return;
     const int64_t b = r.sequence_ids_size();
     if (fit && b >= 1 && b <= kMaxBatch) {
-      r.set_q(Stretch(r.q(), b * k::kQueryBytes));
-      if (!r.k().empty() || !r.v().empty()) {
-        r.set_k(Stretch(r.k(), b * k::kTokenBytes));
-        r.set_v(Stretch(r.v().empty() ? r.k() : r.v(), b * k::kTokenBytes));
+      if (r.has_q_ref()) FitRef(r.mutable_q_ref(), b * k::kQueryBytes);
+      else r.set_q(Stretch(r.q(), b * k::kQueryBytes));
+      if (!r.k().empty() || !r.v().empty() || r.has_k_ref() || r.has_v_ref()) {
+        const std::string k_seed = r.k();
+        if (r.has_k_ref()) FitRef(r.mutable_k_ref(), b * k::kTokenBytes);
+        else r.set_k(Stretch(r.k(), b * k::kTokenBytes));
+        if (r.has_v_ref()) FitRef(r.mutable_v_ref(), b * k::kTokenBytes);
+        else r.set_v(Stretch(r.v().empty() ? k_seed : r.v(), b * k::kTokenBytes));
       }
+      if (r.has_output_ref()) FitRef(r.mutable_output_ref(), b * k::kQueryBytes);
+      if (r.has_lse_ref()) FitRef(r.mutable_lse_ref(), b * k::kNumQoHeads * 4);
     }
-    absl::StatusOr<DecodeWork> work = CheckDecodeValidation(r);
+    DecodeJudgement judged;
+    absl::StatusOr<DecodeWork> work = CheckDecodeValidation(r, &judged);
     if (!work.ok()) return;
-    std::vector<int64_t> visible = ExpectDecode(r);
-    const Code want = visible.empty() ? last_decode_error_ : Code::kOk;
+    DecodeExpectation e;
+    e.visible = ExpectDecode(r);
+    e.want = e.visible.empty() ? last_decode_error_ : Code::kOk;
+    e.ids.assign(r.sequence_ids().begin(), r.sequence_ids().end());
+    e.request_id = r.request_id();
+    e.layer = r.layer();
+    e.step = work->k.size() > 0;
+    e.sm_scale = r.sm_scale();
+    e.output = judged.output;
+    e.lse = judged.lse;
+    e.q = r.q();
+    e.q_ref = judged.q;
+    e.rerunnable = e.want == Code::kOk && (e.output || e.lse);
+    for (size_t i = 0; e.rerunnable && i < e.ids.size(); ++i) {
+      e.rerunnable = e.visible[i] == model_.Find(e.ids[i])->length;
+    }
     auto done = std::make_shared<std::promise<absl::StatusOr<DecodeOutput>>>();
     std::shared_future<absl::StatusOr<DecodeOutput>> future = done->get_future().share();
+    StartWork();
     engine_.Decode(*std::move(work), [done](absl::StatusOr<DecodeOutput> result) {
       done->set_value(std::move(result));
     });
-    std::vector<uint64_t> ids(r.sequence_ids().begin(), r.sequence_ids().end());
-    pending_.push_back([future, want, visible = std::move(visible), ids = std::move(ids),
-                        request_id = r.request_id(), layer = r.layer(), step = !r.k().empty()] {
-      CheckDecodeResult(future.get(), want, visible, ids, request_id, layer, step);
-    });
+    Pending pending;
+    for (const auto* p : {&judged.q, &judged.k, &judged.v}) {
+      if (*p) pending.reads.push_back(**p);
+    }
+    for (const auto* p : {&judged.output, &judged.lse}) {
+      if (*p) pending.writes.push_back(**p);
+    }
+    pending.check = [this, future, e = std::move(e)](bool quiet, bool last) {
+      return CheckDecodeResult(future.get(), e, quiet, last);
+    };
+    pending_.push_back(std::move(pending));
   }
 
-  static void CheckDecodeResult(const absl::StatusOr<DecodeOutput>& got, Code want,
-                                const std::vector<int64_t>& visible,
-                                const std::vector<uint64_t>& ids, uint64_t request_id,
-                                int32_t layer, bool step) {
-    const int64_t b = static_cast<int64_t>(ids.size());
-    Trace("Decode(", absl::StrJoin(ids, ","), ", layer ", layer, step ? ", step" : ", attend only",
-          ") -> ", got.status().ToString());
-    FUZZ_CHECK(got.status().code() == want, "Decode(", absl::StrJoin(ids, ","), ", layer ", layer,
-               step ? ", step" : ", attend only", "): ", got.status().ToString(), ", model ",
-               Name(want));
-    if (!got.ok()) return;
-    FUZZ_CHECK(got->request_id == request_id, "request id ", got->request_id, " for ", request_id);
-    FUZZ_CHECK(static_cast<int64_t>(got->output.size()) == b * k::kQueryBytes &&
-                   static_cast<int64_t>(got->lse.size()) == b * k::kNumQoHeads * 4,
-               "Decode output ", got->output.size(), " B, lse ", got->lse.size(), " B for B ", b);
+  // `quiet`: nothing else in the group wrote where this Decode reads or writes, so its region
+  // results can be read; `last`: nothing was submitted after it, so the engine is idle.
+  bool CheckDecodeResult(const absl::StatusOr<DecodeOutput>& got, const DecodeExpectation& e,
+                         bool quiet, bool last) {
+    const int64_t b = static_cast<int64_t>(e.ids.size());
+    const std::string what = absl::StrCat(
+        "Decode(", absl::StrJoin(e.ids, ","), ", layer ", e.layer,
+        e.step ? ", step" : ", attend only", e.output ? ", output_ref" : "",
+        e.lse ? ", lse_ref" : "", ")");
+    Trace(what, " -> ", got.status().ToString());
+    FUZZ_CHECK(got.status().code() == e.want, what, ": ", got.status().ToString(), ", model ",
+               Name(e.want));
+    if (!got.ok()) return false;
+    FUZZ_CHECK(got->request_id == e.request_id, "request id ", got->request_id, " for ",
+               e.request_id);
+    const int64_t out_bytes = b * k::kQueryBytes;
+    const int64_t lse_bytes = b * k::kNumQoHeads * 4;
+    FUZZ_CHECK(static_cast<int64_t>(got->output.size()) == (e.output ? 0 : out_bytes) &&
+                   static_cast<int64_t>(got->lse.size()) == (e.lse ? 0 : lse_bytes),
+               what, ": response output ", got->output.size(), " B, lse ", got->lse.size(),
+               " B for B ", b);
+    // The results, from the response or the regions (unless something else wrote there).
+    std::optional<std::string> output, lse;
+    if (!e.output) output = got->output; else if (quiet) output = shm_.Read(*e.output);
+    if (!e.lse) lse = got->lse; else if (quiet) lse = shm_.Read(*e.lse);
     for (int64_t i = 0; i < b; ++i) {
-      if (visible[i] != 0) continue;
-      const char* out = got->output.data() + i * k::kQueryBytes;
-      FUZZ_CHECK(std::all_of(out, out + k::kQueryBytes, [](char c) { return c == 0; }),
-                 "sequence ", ids[i], " has no tokens but a non-zero output");
-      for (int h = 0; h < k::kNumQoHeads; ++h) {
-        float lse;
-        std::memcpy(&lse, got->lse.data() + (i * k::kNumQoHeads + h) * 4, 4);
-        FUZZ_CHECK(std::isinf(lse) && lse < 0, "sequence ", ids[i], " has no tokens but lse ", lse);
+      if (e.visible[i] != 0) continue;
+      if (output) {
+        const char* out = output->data() + i * k::kQueryBytes;
+        FUZZ_CHECK(std::all_of(out, out + k::kQueryBytes, [](char c) { return c == 0; }),
+                   what, ": sequence ", e.ids[i], " has no tokens but a non-zero output");
+      }
+      for (int h = 0; lse && h < k::kNumQoHeads; ++h) {
+        float x;
+        std::memcpy(&x, lse->data() + (i * k::kNumQoHeads + h) * 4, 4);
+        FUZZ_CHECK(std::isinf(x) && x < 0, what, ": sequence ", e.ids[i],
+                   " has no tokens but lse ", x);
       }
     }
+    if (e.rerunnable && quiet && last) {
+      // The same tokens attended again, every tensor inline: the results must be the same.
+      v1::DecodeRequest again;
+      again.set_request_id(e.request_id);
+      again.set_layer(e.layer);
+      for (uint64_t id : e.ids) again.add_sequence_ids(id);
+      again.set_q(e.q_ref ? shm_.Read(*e.q_ref) : e.q);
+      again.set_sm_scale(e.sm_scale);
+      absl::StatusOr<DecodeWork> work = ToDecodeWork(again, config_, nullptr);
+      FUZZ_CHECK(work.ok(), "rerun: ", work.status().ToString());
+      std::promise<absl::StatusOr<DecodeOutput>> done;
+      std::future<absl::StatusOr<DecodeOutput>> future = done.get_future();
+      engine_.Decode(*std::move(work), [&done](absl::StatusOr<DecodeOutput> result) {
+        done.set_value(std::move(result));
+      });
+      const absl::StatusOr<DecodeOutput> inline_result = future.get();
+      FUZZ_CHECK(inline_result.ok(), what, ": inline rerun ", inline_result.status().ToString());
+      FUZZ_CHECK(*output == inline_result->output, what,
+                 ": output differs from the same Decode rerun with inline tensors");
+      FUZZ_CHECK(*lse == inline_result->lse, what,
+                 ": lse differs from the same Decode rerun with inline tensors");
+      Trace("  rerun inline: same output and lse");
+    }
+    return true;
   }
 
-  // Checks the results of everything submitted, in order.
+  // Checks the results of everything submitted, in order, then that the regions changed only
+  // where successful Decodes wrote their output_ref / lse_ref.
   void Drain() {
-    for (const auto& check : pending_) check();
+    if (pending_.empty()) return;
+    std::vector<Place> written;
+    for (size_t i = 0; i < pending_.size(); ++i) {
+      bool quiet = true;
+      for (size_t j = 0; j < pending_.size() && quiet; ++j) {
+        if (j == i) continue;
+        for (const Place& w : pending_[j].writes) {
+          for (const auto* mine : {&pending_[i].reads, &pending_[i].writes}) {
+            for (const Place& p : *mine) quiet = quiet && !Intersect(w, p);
+          }
+        }
+      }
+      if (pending_[i].check(quiet, i + 1 == pending_.size())) {
+        written.insert(written.end(), pending_[i].writes.begin(), pending_[i].writes.end());
+      }
+    }
+    shm_.CheckUnchangedOutside(before_, written);
     pending_.clear();
   }
 
   // Applies the Decode to the model as the engine should, all or nothing. Returns the visible
   // token count of each sequence, or an empty vector with last_decode_error_ set.
   std::vector<int64_t> ExpectDecode(const v1::DecodeRequest& r) {
-    const bool step = !r.k().empty();
+    const bool step = !r.k().empty() || r.has_k_ref();  // validated: k and v both given, or neither
     std::vector<int64_t> visible;
     int64_t needed = 0;
     for (uint64_t id : r.sequence_ids()) {
@@ -399,11 +549,21 @@ class RequestRun {
                " sequences left");
   }
 
+  // An Append or Decode submitted. `check` checks its result and returns whether it succeeded;
+  // `reads` and `writes` are where it reads and writes the regions.
+  struct Pending {
+    std::function<bool(bool quiet, bool last)> check;
+    std::vector<Place> reads, writes;
+  };
+
   Engine& engine_;
+  SharedMemory& shm_;
   const ModelConfig config_;
   KvModel model_;
   // Appends and Decodes submitted, whose results are still to be checked (in order).
-  std::vector<std::function<void()>> pending_;
+  std::vector<Pending> pending_;
+  // The regions' contents before the first of them was submitted.
+  std::vector<std::string> before_;
   Code last_decode_error_ = Code::kOk;
 };
 

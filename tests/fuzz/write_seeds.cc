@@ -166,6 +166,160 @@ void RequestSeeds(const std::filesystem::path& dir) {
                                   .bytes());
 }
 
+// Tensors by reference (request_fuzzer.cc registers "fz-a" = object A [0, 256 KiB), "fz-a-mid"
+// = object A [64 KiB, 200 KiB) and "fz-b" = object B [0, 48 KiB)). Sizes: q and output 6144 B
+// per sequence, Decode k / v 1024 B per sequence, lse 96 B per sequence, AppendKV k / v 1024 B
+// per token.
+constexpr uint64_t kQ = 6144, kKv = 1024, kLse = 96;
+
+void SetRef(v1::TensorRef* ref, const std::string& region, uint64_t offset, uint64_t size) {
+  ref->set_region(region);
+  ref->set_offset(offset);
+  ref->set_byte_size(size);
+}
+
+v1::AppendKVRequest RefAppend(uint64_t id, int32_t layer, int32_t tokens) {
+  v1::AppendKVRequest r;
+  r.set_sequence_id(id);
+  r.set_layer(layer);
+  r.set_num_tokens(tokens);
+  return r;
+}
+
+v1::DecodeRequest RefDecode(std::initializer_list<uint64_t> ids, int32_t layer) {
+  v1::DecodeRequest r;
+  r.set_request_id(91);
+  r.set_layer(layer);
+  for (uint64_t id : ids) r.add_sequence_ids(id);
+  return r;
+}
+
+void RefSeeds(const std::filesystem::path& dir) {
+  // Valid references: appends with k / v from regions, decode steps and attend-only decodes
+  // reading q / k / v from regions and writing output / lse into them, an empty sequence's
+  // zeros and -inf in a region, queued decodes whose outputs share a region.
+  Records valid;
+  valid.Create(1).Create(2);
+  {
+    v1::AppendKVRequest r = RefAppend(1, 0, 3);
+    SetRef(r.mutable_k_ref(), "fz-a", 0, 3 * kKv);
+    SetRef(r.mutable_v_ref(), "fz-b", 4096, 3 * kKv);
+    valid.Add(kAppend, r);
+    r = RefAppend(1, 1, 3);
+    r.set_k(std::string("\x3e\x3f\xbe\x3f", 4));  // fitted: stretched to 3 tokens
+    SetRef(r.mutable_v_ref(), "fz-a-mid", 128, 3 * kKv);
+    valid.Add(kAppend | kFit, r);
+  }
+  {
+    v1::DecodeRequest r = RefDecode({1}, 0);  // a step at layer 0, everything by reference
+    SetRef(r.mutable_q_ref(), "fz-a", 0, kQ);
+    SetRef(r.mutable_k_ref(), "fz-b", 0, kKv);
+    SetRef(r.mutable_v_ref(), "fz-b", 0, kKv);  // inputs may overlap
+    SetRef(r.mutable_output_ref(), "fz-b", 8192, kQ);
+    SetRef(r.mutable_lse_ref(), "fz-a", 16384, kLse);
+    valid.Add(kDecode, r);
+    r = RefDecode({1}, 1);  // the step's last layer: the results are checked against a rerun
+    SetRef(r.mutable_q_ref(), "fz-a-mid", 0, kQ);
+    r.set_k(std::string("\x3d\x3f\x10\xbf", 4));  // fitted
+    SetRef(r.mutable_v_ref(), "fz-a", 4096, kKv);
+    SetRef(r.mutable_output_ref(), "fz-a", 65536 + 8192, kQ);  // fz-a-mid 8192: after q
+    SetRef(r.mutable_lse_ref(), "fz-b", 0, kLse);
+    valid.Add(kDecode | kFit, r);
+    r = RefDecode({1, 2}, 0);  // attend only; sequence 2 has no tokens
+    r.set_q(std::string("\x3f\x3f\x80\xbe", 4));  // fitted
+    SetRef(r.mutable_output_ref(), "fz-a-mid", 16384, 2 * kQ);
+    SetRef(r.mutable_lse_ref(), "fz-a-mid", 40960, 2 * kLse);
+    valid.Add(kDecode | kFit, r);
+    r = RefDecode({2, 1}, 1);  // output by reference only, lse in the response
+    SetRef(r.mutable_q_ref(), "fz-b", 0, 2 * kQ);
+    SetRef(r.mutable_output_ref(), "fz-a", 0, 2 * kQ);
+    valid.Add(kDecode | kFit, r);
+    r = RefDecode({1}, 0);  // lse by reference only
+    SetRef(r.mutable_q_ref(), "fz-a", 100000, kQ);  // fitted to 99,984
+    SetRef(r.mutable_lse_ref(), "fz-b", 1000000, 7);  // fitted into the region
+    valid.Add(kDecode | kFit, r);
+  }
+  {
+    // Queued: two decodes writing the same output range (allowed across requests), an append
+    // reading where one of them writes.
+    constexpr uint8_t q = kFit | kQueue;
+    v1::DecodeRequest r = RefDecode({1}, 0);
+    SetRef(r.mutable_q_ref(), "fz-a", 0, kQ);
+    SetRef(r.mutable_output_ref(), "fz-b", 0, kQ);
+    valid.Add(kDecode | q, r);
+    r = RefDecode({2}, 0);
+    SetRef(r.mutable_output_ref(), "fz-b", 0, kQ);
+    SetRef(r.mutable_lse_ref(), "fz-b", 6144, kLse);
+    valid.Add(kDecode | q, r);
+    v1::AppendKVRequest a = RefAppend(2, 0, 4);
+    SetRef(a.mutable_k_ref(), "fz-b", 0, 0);
+    SetRef(a.mutable_v_ref(), "fz-a-mid", 0, 0);
+    valid.Add(kAppend | q, a);
+    a = RefAppend(2, 1, 4);
+    SetRef(a.mutable_k_ref(), "fz-a", 1 << 20, 0);
+    SetRef(a.mutable_v_ref(), "fz-a", 0, 0);
+    valid.Add(kAppend | q, a);
+    r = RefDecode({1, 2}, 1);
+    SetRef(r.mutable_output_ref(), "fz-a-mid", 0, 0);
+    SetRef(r.mutable_lse_ref(), "fz-b", 0, 0);
+    valid.Add(kDecode | q, r);
+  }
+  valid.Release(1).Release(2);
+  Write(dir / "seed-refs", valid.bytes());
+
+  // Invalid references, not fitted: each must be refused with nothing changed.
+  Records invalid;
+  invalid.Create(1).Append(1, 0, 2).Append(1, 1, 2);
+  auto decode = [&](auto&& edit) {
+    v1::DecodeRequest r = RefDecode({1}, 0);
+    SetRef(r.mutable_q_ref(), "fz-a", 0, kQ);
+    edit(r);
+    invalid.Add(kDecode, r);
+  };
+  decode([](v1::DecodeRequest& r) { r.mutable_q_ref()->set_region("fz-c"); });         // NOT_FOUND
+  decode([](v1::DecodeRequest& r) { r.mutable_q_ref()->set_byte_size(kQ - 2); });
+  decode([](v1::DecodeRequest& r) { r.mutable_q_ref()->set_offset(8); });
+  decode([](v1::DecodeRequest& r) { r.mutable_q_ref()->set_offset((256 << 10) - 4096); });
+  decode([](v1::DecodeRequest& r) { r.mutable_q_ref()->set_offset(~uint64_t{15}); });
+  decode([](v1::DecodeRequest& r) { r.set_q(std::string(kQ, '\x3f')); });              // both ways
+  decode([](v1::DecodeRequest& r) { SetRef(r.mutable_k_ref(), "fz-b", 0, kKv); });     // k, no v
+  decode([](v1::DecodeRequest& r) {  // output over q, through the other name of the object
+    SetRef(r.mutable_output_ref(), "fz-a-mid", 0, kQ);
+    r.mutable_q_ref()->set_offset(65536 + 4096);
+  });
+  decode([](v1::DecodeRequest& r) {  // lse inside output
+    SetRef(r.mutable_output_ref(), "fz-b", 0, kQ);
+    SetRef(r.mutable_lse_ref(), "fz-b", 4096, kLse);
+  });
+  decode([](v1::DecodeRequest& r) {  // output over v
+    SetRef(r.mutable_k_ref(), "fz-a", 8192, kKv);
+    SetRef(r.mutable_v_ref(), "fz-b", 1024, kKv);
+    SetRef(r.mutable_output_ref(), "fz-b", 0, kQ);
+  });
+  decode([](v1::DecodeRequest& r) {  // NOT_FOUND and INVALID_ARGUMENT both
+    SetRef(r.mutable_output_ref(), "", 0, 0);
+    r.set_sm_scale(-1.0f);
+  });
+  decode([](v1::DecodeRequest& r) { SetRef(r.mutable_lse_ref(), "fz-a-mid", 136 << 10, kLse); });
+  {
+    v1::AppendKVRequest a = RefAppend(1, 0, 1);
+    SetRef(a.mutable_k_ref(), "fz-b", 0, kKv);
+    invalid.Add(kAppend, a);  // v missing
+    SetRef(a.mutable_v_ref(), "fz-a", 0, kKv);
+    a.set_k(std::string(kKv, '\x3f'));
+    invalid.Add(kAppend, a);  // k both ways
+    a.clear_k();
+    a.mutable_k_ref()->set_region("FZ-B");
+    invalid.Add(kAppend, a);  // NOT_FOUND
+    a.mutable_k_ref()->set_region("fz-b");
+    a.mutable_k_ref()->set_offset((48 << 10) - 1008);
+    invalid.Add(kAppend, a);  // past the end
+    invalid.Raw(kParseAll, a.SerializeAsString());
+  }
+  invalid.Decode({1}, 1, false).Release(1);
+  Write(dir / "seed-refs-invalid", invalid.bytes());
+}
+
 void KvSeeds(const std::filesystem::path& dir) {
   auto bytes = [](std::initializer_list<int> b) {
     std::string s;
@@ -226,6 +380,7 @@ int main(int argc, char** argv) {
   std::filesystem::create_directories(root / "request_validation");
   std::filesystem::create_directories(root / "kv_ops");
   RequestSeeds(root / "request_validation");
+  RefSeeds(root / "request_validation");
   KvSeeds(root / "kv_ops");
   return 0;
 }
