@@ -147,7 +147,9 @@ class CudaBackend final : public Backend {
   // defined; the backend itself keeps working as long as the device reports no error (a
   // device error fails it as any other, see above). The engine therefore holds a region's
   // lease for as long as a batch uses it, and the client contract says to unregister before
-  // freeing. tests/backend/cuda_ipc_test.cc records what the H200 does.
+  // freeing. Observed on an H200 (driver 580, tests/backend/cuda_ipc_test.cc): a process that
+  // exits with its allocation open here leaves it readable and writable until it is closed
+  // (the batch after the exit gives the right bytes, the backend stays healthy).
   absl::StatusOr<char*> OpenDeviceMemory(std::string_view ipc_handle, int32_t device_id,
                                          int64_t bytes) override;
   void CloseDeviceMemory(char* data) override;
