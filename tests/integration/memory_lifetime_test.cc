@@ -206,6 +206,44 @@ TEST_P(MemoryLifetimeTest, RegionOutlivesItsClientsUnlinkAndUnmap) {
   EXPECT_TRUE(listed->empty());
 }
 
+TEST_P(MemoryLifetimeTest, WaitingUnregistersDoNotStallOtherCalls) {
+  Start({kWindow});
+  constexpr int kRegions = 24;
+  Prefill(1, 30);
+  std::vector<std::unique_ptr<RefArena>> arenas;
+  std::vector<v1::DecodeRequest> requests;
+  for (int i = 0; i < kRegions; ++i) {
+    arenas.push_back(Arena(absl::StrCat("held-", i), 64 << 10));
+    ASSERT_NE(arenas.back(), nullptr);
+    requests.push_back(ToRefs(RandomDecode(i, 0, {1}, false, rng_), {.q = true, .output = true},
+                              *arenas.back(), rng_));
+  }
+  std::vector<absl::StatusOr<v1::DecodeResponse>> responses(kRegions);
+  std::vector<absl::Status> unregistered(kRegions);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kRegions; ++i) {
+    threads.emplace_back([&, i] { responses[i] = client_->Decode(requests[i]); });
+  }
+  ASSERT_TRUE(QueueDepthBecomes(kRegions));
+  for (int i = 0; i < kRegions; ++i) {
+    threads.emplace_back([&, i] { unregistered[i] = client_->UnregisterMemory(arenas[i]->name()); });
+  }
+  while (Listed(arenas.back()->name())) absl::SleepFor(absl::Milliseconds(2));
+  // With every Unregister waiting, other calls are still answered at once.
+  const absl::Time start = absl::Now();
+  EXPECT_TRUE(client_->GetStats().ok());
+  EXPECT_TRUE(client_->ListMemory().ok());
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(500));
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < kRegions; ++i) {
+    EXPECT_TRUE(unregistered[i].ok()) << unregistered[i];
+    ASSERT_TRUE(responses[i].ok()) << responses[i].status();
+    v1::DecodeRequest inline_request = RandomDecode(i, 0, {1}, false, rng_);
+    inline_request.set_q(arenas[i]->Read(requests[i].q_ref()));
+    EXPECT_TRUE(mirror_->Check(inline_request, Inlined(requests[i], *responses[i], *arenas[i])));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, MemoryLifetimeTest,
                          ::testing::Values(Transport::kLoopback, Transport::kUnix),
                          [](const auto& info) { return TransportName(info.param); });

@@ -132,7 +132,9 @@ TEST_P(MemoryTest, DecodeStreamWithReferencesMatchesInline) {
       r.set_sequence_ids(0, 11);
       r.set_sequence_ids(1, 12);
     }
-    ref_requests.push_back(ToRefs(r, plans[i % plans.size()], *arena, rng_));
+    const bool last = i + 1 == inline_requests.size();  // the step: every tensor by reference
+    ref_requests.push_back(
+        ToRefs(r, last ? RefPlan{true, true, true, true, true} : plans[i % plans.size()], *arena, rng_));
   }
   auto responses = client_->DecodeAll(ref_requests);
   ASSERT_TRUE(responses.ok()) << responses.status();
