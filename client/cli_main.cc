@@ -3,6 +3,7 @@
 //   pagedattn-cli [flags] create ID | release ID | fork PARENT CHILD
 //   pagedattn-cli [flags] append ID [--num_tokens=N] [--layer=L] [--k_file=F --v_file=F]
 //   pagedattn-cli [flags] decode ID[,ID...] [--layer=L] [--with_kv] [--q_file=F] [--output_file=F]
+//   pagedattn-cli [flags] memory | register NAME KEY BYTES [--offset=O] | unregister NAME
 // Exit status: 0 on success, 1 when the call fails (the status is printed), 2 for bad usage.
 #include <cmath>
 #include <cstdint>
@@ -44,6 +45,7 @@ ABSL_FLAG(std::string, output_file, "", "decode: write the last layer's raw bf16
 ABSL_FLAG(float, sm_scale, 0.0f, "decode: softmax scale (0: 1/sqrt(128))");
 ABSL_FLAG(uint64_t, request_id, 1, "decode: request id (echoed by the server)");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the random normal data");
+ABSL_FLAG(uint64_t, offset, 0, "register: where the region starts in the shared-memory object");
 
 namespace {
 
@@ -231,6 +233,28 @@ int Run(const std::vector<std::string>& args) {
     return 0;
   }
   if (command == "decode" && want(1)) return Decode(**client, args[1], rng);
+  if (command == "memory" && want(0)) {
+    absl::StatusOr<std::vector<v1::MemoryRegion>> regions = (*client)->ListMemory();
+    if (!regions.ok()) return Fail(regions.status());
+    v1::ListMemoryResponse response;
+    for (v1::MemoryRegion& r : *regions) *response.add_regions() = std::move(r);
+    PrintJson(response);
+    return 0;
+  }
+  if (command == "register" && want(3)) {
+    uint64_t bytes = 0;
+    if (!absl::SimpleAtoi(args[3], &bytes)) return Usage("register NAME KEY BYTES");
+    absl::Status status =
+        (*client)->RegisterSystemMemory(args[1], args[2], absl::GetFlag(FLAGS_offset), bytes);
+    if (!status.ok()) return Fail(status);
+    std::cout << "memory region " << args[1] << ": registered\n";
+    return 0;
+  }
+  if (command == "unregister" && want(1)) {
+    if (absl::Status status = (*client)->UnregisterMemory(args[1]); !status.ok()) return Fail(status);
+    std::cout << "memory region " << args[1] << ": unregistered\n";
+    return 0;
+  }
   return Usage(absl::StrCat("unknown command or wrong arguments: ", command));
 }
 
@@ -246,7 +270,12 @@ int main(int argc, char** argv) {
       "                             to --layer, or to every layer in order (-1, the default)\n"
       "  decode ID[,ID...]          decode at --layer or every layer; --with_kv makes it a step\n"
       "  fork PARENT CHILD          child shares the parent's pages (copy on write)\n"
-      "  release ID                 free a sequence");
+      "  release ID                 free a sequence\n"
+      "  memory                     the registered memory regions (JSON)\n"
+      "  register NAME KEY BYTES    register BYTES of shared-memory object KEY (\"/name\") from\n"
+      "                             --offset as region NAME (tensors by reference)\n"
+      "  unregister NAME            unlist a region; waits for the work that uses it\n"
+      "                             (e.g. one a client that died left registered)");
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   std::vector<std::string> args(positional.begin() + 1, positional.end());
   return Run(args);

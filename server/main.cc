@@ -93,6 +93,9 @@ ABSL_FLAG(int32_t, cpu_threads, 0, "CPU backend threads; 0 = one per hardware th
 ABSL_FLAG(int64_t, max_message_bytes, 64 << 20,
           "gRPC send/receive limit per message; larger ones get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int32_t, stream_max_in_flight, 32, "DecodeStream requests in flight per stream");
+ABSL_FLAG(int32_t, max_memory_regions, 256,
+          "Memory regions (tensors by reference) clients may register at once; more get "
+          "RESOURCE_EXHAUSTED");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10),
           "On SIGTERM/SIGINT, how long calls in progress and queued work may take to finish");
 
@@ -261,6 +264,7 @@ int Serve() {
   engine_options.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
   engine_options.max_queue_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_queue_delay_us));
   engine_options.max_queue_depth = absl::GetFlag(FLAGS_max_queue_depth);
+  engine_options.max_memory_regions = absl::GetFlag(FLAGS_max_memory_regions);
   const bool cuda = backend_name == "cuda";
   const int64_t spin_us = absl::GetFlag(FLAGS_idle_spin_us);
   engine_options.idle_spin = absl::Microseconds(spin_us >= 0 ? spin_us : (cuda ? 2000 : 0));

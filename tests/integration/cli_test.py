@@ -1,5 +1,5 @@
 """pagedattn-cli against the real server: every subcommand, K/V from files, the output file,
-JSON of config and stats, and the exit status of a failing call (1) and of bad usage (2).
+JSON of config and stats, memory regions (register, list, unregister), and the exit status of a failing call (1) and of bad usage (2).
 
 usage: /usr/bin/python3 cli_test.py --server=BIN --cli=BIN
 """
@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from multiprocessing import shared_memory
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pagedattn_testing as t  # noqa: E402
@@ -72,6 +73,30 @@ def main():
         run(["release", "5"])
         stats = json.loads(run(["stats"])[0])
         assert int(stats["pages_free"]) == 16 and int(stats["sequences"]) == 0, stats
+
+        # Memory regions: a shared-memory object of this process's, registered, listed and
+        # unregistered through the CLI.
+        shm = shared_memory.SharedMemory(create=True, size=1 << 16)
+        try:
+            key = "/" + shm.name
+            out, _ = run(["register", "cli-region", key, "4096", "--offset=64"])
+            assert "cli-region: registered" in out, out
+            _, err = run(["register", "cli-region", key, "4096"], code=1)
+            assert "ALREADY_EXISTS" in err, err
+            _, err = run(["register", "other", "/pa-cli-no-such-object", "4096"], code=1)
+            assert "FAILED_PRECONDITION" in err, err
+            listed = json.loads(run(["memory"])[0])
+            assert listed["regions"] == [{"name": "cli-region", "kind": "system",
+                                          "byte_size": "4096", "device_id": -1}], listed
+            out, _ = run(["unregister", "cli-region"])
+            assert "cli-region: unregistered" in out, out
+            _, err = run(["unregister", "cli-region"], code=1)
+            assert "NOT_FOUND" in err, err
+            assert json.loads(run(["memory"])[0]).get("regions", []) == [], "regions left listed"
+            run(["register", "x", key], code=2)
+        finally:
+            shm.close()
+            shm.unlink()
 
         run(["bogus"], code=2)
         run(["fork", "1"], code=2)

@@ -48,8 +48,8 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   server->pid_ = pid;
   server->reader_ = std::thread([s = server.get(), fd = fds[0]] { s->ReadOutput(fd); });
 
-  // The "serving" line names both ports.
-  const std::regex serving(R"(serving grpc=[^:\s]+:(\d+) metrics=(?:[^:\s]+:(\d+)|off))");
+  // The "serving" line names the gRPC address (host:port, or unix:/path) and the metrics port.
+  const std::regex serving(R"(serving grpc=(\S+) metrics=(?:[^:\s]+:(\d+)|off))");
   const absl::Time deadline = absl::Now() + timeout;
   {
     absl::MutexLock lock(&server->mu_);
@@ -60,7 +60,11 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
     if (!server->mu_.AwaitWithDeadline(absl::Condition(&ready), deadline) || server->eof_) {
       return absl::UnavailableError(absl::StrCat(binary, " did not start:\n", server->output_));
     }
-    server->grpc_port_ = std::stoi(match[1].str());
+    server->grpc_target_ = match[1].str();
+    if (!server->grpc_target_.starts_with("unix:")) {
+      server->grpc_port_ = std::stoi(server->grpc_target_.substr(server->grpc_target_.rfind(':') + 1));
+      server->grpc_target_ = absl::StrCat("127.0.0.1:", server->grpc_port_);
+    }
     if (match[2].matched) server->metrics_port_ = std::stoi(match[2].str());
   }
   health::ProbeOptions probe;
@@ -87,7 +91,7 @@ ServerProcess::~ServerProcess() {
   if (reader_.joinable()) reader_.join();
 }
 
-std::string ServerProcess::grpc_target() const { return absl::StrCat("127.0.0.1:", grpc_port_); }
+std::string ServerProcess::grpc_target() const { return grpc_target_; }
 
 void ServerProcess::Signal(int signal_number) {
   if (pid_ > 0 && !reaped_) kill(pid_, signal_number);

@@ -1,6 +1,7 @@
 // ServerProcess: the real pagedattn-server binary started for one test on free loopback ports
 // (--grpc_address=127.0.0.1:0 --metrics_address=127.0.0.1:0; the ports come from its
-// "serving" line), ready once its health service answers SERVING. The destructor kills and
+// "serving" line), ready once its health service answers SERVING. A later
+// --grpc_address=unix:/path flag puts it on a Unix domain socket instead (grpc_port() is 0). The destructor kills and
 // reaps it if it still runs. Not thread-safe (one test thread drives it).
 #pragma once
 
@@ -31,6 +32,7 @@ class ServerProcess {
 
   int grpc_port() const { return grpc_port_; }
   int metrics_port() const { return metrics_port_; }
+  // 127.0.0.1:port, or the unix:/path address.
   std::string grpc_target() const;
   pid_t pid() const { return pid_; }
 
@@ -47,6 +49,7 @@ class ServerProcess {
   pid_t pid_ = -1;
   bool reaped_ = false;
   int grpc_port_ = 0;
+  std::string grpc_target_;
   int metrics_port_ = 0;
   std::thread reader_;
   mutable absl::Mutex mu_;

@@ -2,7 +2,10 @@
 // fork, decode and release sequences at random for a fixed time. Every status must be OK, or
 // RESOURCE_EXHAUSTED where the pool can run out (a step's or prefill's layer 0, a fork); a
 // sample of the decodes is checked against the float64 reference; at the end every page is back,
-// the server's /metrics shows no other code, and its resident memory stayed flat.
+// the server's /metrics shows no other code, and its resident memory stayed flat. A share of the
+// requests carries its tensors by reference: each client registers a shared-memory region of
+// its own, places some of q, k, v, output and lse there, and unregisters it at the end (no
+// region is left listed).
 //
 // In the suite it runs 20 s at a small size; larger by its flags, e.g.
 //   build/bin/pagedattn_soak_test --soak_duration=10m --soak_unary_clients=16
@@ -23,12 +26,15 @@
 #include "absl/time/clock.h"
 #include "client/loadgen/server_metrics.h"
 #include "tests/integration/integration_test.h"
+#include "tests/integration/ref_arena.h"
 
 ABSL_FLAG(absl::Duration, soak_duration, absl::Seconds(20), "how long the clients run");
 ABSL_FLAG(int32_t, soak_unary_clients, 4, "clients making unary calls (each its own channel)");
 ABSL_FLAG(int32_t, soak_stream_clients, 2, "clients decoding over one DecodeStream each");
 ABSL_FLAG(int32_t, soak_num_pages, 40, "server --num_pages (small, so the pool runs out at times)");
 ABSL_FLAG(double, soak_check_fraction, 0.25, "share of decodes checked against the reference");
+ABSL_FLAG(double, soak_ref_fraction, 0.3,
+          "share of AppendKV and Decode requests with tensors by reference (registered memory)");
 ABSL_FLAG(double, soak_rss_growth, 0.10,
           "allowed growth of the server's RSS (share, plus 16 MiB) from the middle third of the "
           "run to the last");
@@ -42,7 +48,7 @@ constexpr size_t kMaxLive = 5;       // sequences per client
 
 // What one client did; `failure` is the first unexpected outcome (the client stops there).
 struct ClientReport {
-  int64_t ops = 0, calls = 0, decodes = 0, checked = 0, exhausted = 0, forks = 0;
+  int64_t ops = 0, calls = 0, decodes = 0, checked = 0, exhausted = 0, forks = 0, by_reference = 0;
   std::string failure;
 };
 
@@ -51,6 +57,12 @@ class SoakClient {
  public:
   SoakClient(int index, std::unique_ptr<client::Client> client, bool streaming)
       : index_(index), client_(std::move(client)), mirror_(kLayers), rng_(1000 + index) {
+    auto arena = RefArena::Create(client_.get(), absl::StrCat("soak-", index), 4 << 20);
+    if (arena.ok()) {
+      arena_ = *std::move(arena);
+    } else {
+      Fail(absl::StrCat("register memory: ", arena.status().ToString()));
+    }
     if (streaming) stream_ = client_->OpenDecodeStream();
   }
 
@@ -65,6 +77,10 @@ class SoakClient {
       stream_->WritesDone();
       absl::Status s = stream_->Finish();
       if (!s.ok()) Fail(absl::StrCat("stream finish: ", s.ToString()));
+    }
+    if (arena_ != nullptr) {
+      ++report_.calls;
+      Expect(client_->UnregisterMemory(arena_->name()), "unregister memory");
     }
     return report_;
   }
@@ -100,7 +116,23 @@ class SoakClient {
       const std::string k = RandomBf16(n * kKvRowElems, rng_);
       const std::string v = RandomBf16(n * kKvRowElems, rng_);
       ++report_.calls;
-      absl::StatusOr<int64_t> length = client_->AppendKV(id, layer, n, k, v);
+      absl::StatusOr<int64_t> length;
+      if (ByReference()) {
+        // k, v or both by reference.
+        v1::AppendKVRequest request;
+        request.set_sequence_id(id);
+        request.set_layer(layer);
+        request.set_num_tokens(n);
+        const int which = Uniform(0, 2);
+        if (which != 1) *request.mutable_k_ref() = arena_->Put(k, rng_);
+        else request.set_k(k);
+        if (which != 0) *request.mutable_v_ref() = arena_->Put(v, rng_);
+        else request.set_v(v);
+        ++report_.by_reference;
+        length = client_->AppendKV(request);
+      } else {
+        length = client_->AppendKV(id, layer, n, k, v);
+      }
       if (layer == 0 && Exhausted(length.status())) return;
       if (!Expect(length.status(), "append")) return;
       mirror_.Append(id, layer, k, v);
@@ -160,16 +192,42 @@ class SoakClient {
     Checked(request, *response);
   }
 
-  absl::StatusOr<v1::DecodeResponse> Decode(const v1::DecodeRequest& request) {
+  // The request as it is, or (a share of the time) with some of its tensors by reference;
+  // the response as the inline request would get it either way.
+  absl::StatusOr<v1::DecodeResponse> Decode(const v1::DecodeRequest& inline_request) {
     ++report_.calls;
     ++report_.decodes;
-    if (stream_ == nullptr) return client_->Decode(request);
-    v1::DecodeResponse response;
-    if (!stream_->Write(request) || !stream_->Read(&response)) {
-      return absl::InternalError(absl::StrCat("stream broke: ", stream_->Finish().ToString()));
+    v1::DecodeRequest request = inline_request;
+    if (ByReference()) {
+      const uint64_t bits = rng_();
+      const RefPlan plan{.q = (bits & 1) != 0, .k = (bits & 2) != 0, .v = (bits & 4) != 0,
+                         .output = (bits & 8) != 0, .lse = (bits & 16) != 0};
+      request = ToRefs(inline_request, plan, *arena_, rng_);
+      ++report_.by_reference;
     }
-    if (absl::Status s = client::ResponseStatus(response); !s.ok()) return s;
-    return response;
+    v1::DecodeResponse response;
+    if (stream_ == nullptr) {
+      absl::StatusOr<v1::DecodeResponse> unary = client_->Decode(request);
+      if (!unary.ok()) return unary.status();
+      response = *std::move(unary);
+    } else {
+      if (!stream_->Write(request) || !stream_->Read(&response)) {
+        return absl::InternalError(absl::StrCat("stream broke: ", stream_->Finish().ToString()));
+      }
+      if (absl::Status s = client::ResponseStatus(response); !s.ok()) return s;
+    }
+    if (request.has_output_ref() && !response.output().empty()) {
+      return absl::InternalError("output by reference, yet in the response");
+    }
+    if (request.has_lse_ref() && !response.lse().empty()) {
+      return absl::InternalError("lse by reference, yet in the response");
+    }
+    return Inlined(request, std::move(response), *arena_);
+  }
+
+  bool ByReference() {
+    return arena_ != nullptr &&
+           std::uniform_real_distribution<double>(0, 1)(rng_) < absl::GetFlag(FLAGS_soak_ref_fraction);
   }
 
   void Checked(const v1::DecodeRequest& request, const v1::DecodeResponse& response) {
@@ -207,6 +265,7 @@ class SoakClient {
   const int index_;
   std::unique_ptr<client::Client> client_;
   std::unique_ptr<client::DecodeStream> stream_;
+  std::unique_ptr<RefArena> arena_;  // this client's registered region
   KvMirror mirror_;
   std::mt19937_64 rng_;
   std::vector<uint64_t> live_;
@@ -266,20 +325,22 @@ TEST_F(SoakTest, RandomClientsLeaveNothingBehind) {
     EXPECT_EQ(r.failure, "");
     EXPECT_GT(r.decodes, 0);
     EXPECT_GT(r.checked, 0);
+    EXPECT_GT(r.by_reference, 0);
     total.ops += r.ops;
     total.calls += r.calls;
     total.decodes += r.decodes;
     total.checked += r.checked;
     total.exhausted += r.exhausted;
     total.forks += r.forks;
+    total.by_reference += r.by_reference;
   }
   EXPECT_GT(total.forks, 0);
   std::printf("soak: %zu clients (%d streaming), %.1f s: %lld ops (%.0f/s), %lld decodes, "
-              "%lld checked, %lld forks, %lld RESOURCE_EXHAUSTED\n",
+              "%lld checked, %lld forks, %lld RESOURCE_EXHAUSTED, %lld by reference\n",
               clients.size(), streaming, seconds, static_cast<long long>(total.ops),
               total.ops / seconds, static_cast<long long>(total.decodes),
               static_cast<long long>(total.checked), static_cast<long long>(total.forks),
-              static_cast<long long>(total.exhausted));
+              static_cast<long long>(total.exhausted), static_cast<long long>(total.by_reference));
 
   // Every page is back; nothing is queued; the backend is healthy.
   auto stats = client_->GetStats();
@@ -289,6 +350,10 @@ TEST_F(SoakTest, RandomClientsLeaveNothingBehind) {
   EXPECT_EQ(stats->tokens(), 0);
   EXPECT_EQ(stats->queue_depth(), 0);
   EXPECT_TRUE(stats->healthy());
+  // Every client unregistered its region.
+  auto regions = client_->ListMemory();
+  ASSERT_TRUE(regions.ok()) << regions.status();
+  EXPECT_TRUE(regions->empty()) << regions->size() << " regions still listed";
 
   // The server saw no status but OK and RESOURCE_EXHAUSTED.
   auto scrape = loadgen::ScrapeMetrics(absl::StrCat("127.0.0.1:", server_->metrics_port()));
