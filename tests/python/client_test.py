@@ -15,24 +15,11 @@ import package_testing as t
 LAYERS, PAGES = 2, 32
 
 
-class ClientTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        import pagedattn  # pylint: disable=import-outside-toplevel
-        cls.pagedattn = pagedattn
-        cls.server = t.Server(t.ARGS.server, [f"--num_pages={PAGES}", f"--num_layers={LAYERS}",
-                                              "--cpu_threads=2"])
-        cls.client = pagedattn.Client(cls.server.target)
-        cls.client.wait_for_connected(20)
-        cls.config = cls.client.config
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        cls.server.kill()
+class ClientTest(t.ServerCase):
+    LAYERS, PAGES = LAYERS, PAGES
 
     def setUp(self):
-        self.rng = np.random.default_rng(abs(hash(self.id())) % 2**32)
+        super().setUp()
         self.mirror = t.Mirror(self.config)
 
     def create(self, sid):
@@ -78,7 +65,7 @@ class ClientTest(unittest.TestCase):
     def test_health(self):
         self.assertEqual(self.client.health(), "SERVING")
         self.assertEqual(self.client.health("pagedattn.v1.PagedAttention"), "SERVING")
-        with self.assertRaises(self.pagedattn.PagedAttnError) as ctx:
+        with self.assertRaises(self.pa.PagedAttnError) as ctx:
             self.client.health("no.such.Service")
         self.assertEqual(ctx.exception.code.name, "NOT_FOUND")
 
@@ -117,7 +104,7 @@ class ClientTest(unittest.TestCase):
         k = t.random_bf16(self.rng, self.config.kv_shape(n))
         v = t.random_bf16(self.rng, self.config.kv_shape(n))
         # Layer 0 as bf16 bit patterns, the last layer as float64: the same values arrive.
-        self.client.append(41, 0, self.pagedattn.bf16.to_bits(k), self.pagedattn.bf16.to_bits(v))
+        self.client.append(41, 0, self.pa.bf16.to_bits(k), self.pa.bf16.to_bits(v))
         for layer in range(1, LAYERS):
             self.client.append(41, layer, k.astype(np.float64), v.astype(np.float64))
         for layer in range(LAYERS):
@@ -125,7 +112,7 @@ class ClientTest(unittest.TestCase):
         q = t.random_bf16(self.rng, self.config.q_shape(1))
         for layer in range(LAYERS):
             want = self.mirror.expected(layer, [41], q, False)
-            got_bits = self.client.decode(layer, [41], self.pagedattn.bf16.to_bits(q))
+            got_bits = self.client.decode(layer, [41], self.pa.bf16.to_bits(q))
             got_f16 = self.client.decode(layer, [41], q.astype(np.float16))
             t.assert_matches(self, got_bits, want)
             t.assert_matches(self, got_f16, want)
@@ -138,16 +125,16 @@ class ClientTest(unittest.TestCase):
         calls, qs = [], []
         for i in range(12):
             q = t.random_bf16(self.rng, self.config.q_shape(1))
-            calls.append(self.pagedattn.DecodeCall(layer=i % LAYERS, sequence_ids=[21], q=q,
+            calls.append(self.pa.DecodeCall(layer=i % LAYERS, sequence_ids=[21], q=q,
                                                    request_id=100 + i))
             qs.append(q)
-        unknown = self.pagedattn.DecodeCall(layer=0, sequence_ids=[404], q=qs[0], request_id=999)
+        unknown = self.pa.DecodeCall(layer=0, sequence_ids=[404], q=qs[0], request_id=999)
         stream = calls[:6] + [unknown] + calls[6:]
         results = list(self.client.decode_stream(iter(stream)))
         self.assertEqual([r.request_id for r in results], [c.request_id for c in stream])
         self.assertEqual(results[6].error.code.name, "NOT_FOUND")
         self.assertIsNone(results[6].output)
-        with self.assertRaises(self.pagedattn.PagedAttnError):
+        with self.assertRaises(self.pa.PagedAttnError):
             results[6].check()
         for call, q, result in zip(calls, qs, results[:6] + results[7:]):
             self.assertIsNone(result.error)
@@ -195,10 +182,10 @@ class ClientTest(unittest.TestCase):
         for layer in range(LAYERS):
             self.append(61, layer, 3)
         q = t.random_bf16(self.rng, self.config.q_shape(1))
-        call = self.pagedattn.DecodeCall
+        call = self.pa.DecodeCall
         calls = [call(0, [61], q), call(0, [61], q), call(0, [61], q[:, :-1]), call(0, [61], q)]
         results = []
-        with self.assertRaises(self.pagedattn.PagedAttnError) as ctx:
+        with self.assertRaises(self.pa.PagedAttnError) as ctx:
             for result in self.client.decode_stream(calls):
                 results.append(result)
         self.assertEqual(ctx.exception.code.name, "INVALID_ARGUMENT")
@@ -219,7 +206,7 @@ class ClientTest(unittest.TestCase):
                 q = t.random_bf16(self.rng, self.config.q_shape(b))
                 k = t.random_bf16(self.rng, self.config.kv_shape(b))
                 v = t.random_bf16(self.rng, self.config.kv_shape(b))
-                calls.append(self.pagedattn.DecodeCall(layer, [51], q, k, v))
+                calls.append(self.pa.DecodeCall(layer, [51], q, k, v))
                 rows.append((layer, q, k, v))
         results = list(self.client.decode_stream(calls))
         self.assertEqual(len(results), len(calls))

@@ -24,24 +24,11 @@ LAYERS, PAGES = 2, 8
 TOKEN = "python-package-token"
 
 
-class ServerErrorsTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        import pagedattn  # pylint: disable=import-outside-toplevel
-        cls.pa = pagedattn
-        cls.server = t.Server(t.ARGS.server, [f"--num_pages={PAGES}", f"--num_layers={LAYERS}",
-                                              "--cpu_threads=2"])
-        cls.client = pagedattn.Client(cls.server.target)
-        cls.client.wait_for_connected(20)
-        cls.config = cls.client.config
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        cls.server.kill()
+class ServerErrorsTest(t.ServerCase):
+    LAYERS, PAGES = LAYERS, PAGES
 
     def setUp(self):
-        self.rng = np.random.default_rng(abs(hash(self.id())) % 2**32)
+        super().setUp()
         c = self.config
         self.client.create(1)
         for layer in range(LAYERS):

@@ -18,25 +18,11 @@ import package_testing as t
 LAYERS, PAGES = 2, 512
 
 
-class MemoryTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        import pagedattn  # pylint: disable=import-outside-toplevel
-        cls.pa = pagedattn
-        flags = [f"--num_pages={PAGES}", f"--num_layers={LAYERS}", "--cpu_threads=2"]
-        cls.server = (t.UnixServer(t.ARGS.server, flags) if t.ARGS.unix
-                      else t.Server(t.ARGS.server, flags))
-        cls.client = pagedattn.Client(cls.server.target)
-        cls.client.wait_for_connected(20)
-        cls.config = cls.client.config
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        cls.server.kill()
+class MemoryTest(t.ServerCase):
+    LAYERS, PAGES = LAYERS, PAGES
 
     def setUp(self):
-        self.rng = np.random.default_rng(abs(hash(self.id())) % 2**32)
+        super().setUp()
         self.regions_before = self.client.list_memory()
 
     def tearDown(self):

@@ -146,3 +146,29 @@ class UnixServer:
             self.proc.kill()
         self.proc.wait()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class ServerCase(unittest.TestCase):
+    """A real CPU-backend server of LAYERS layers and PAGES pages (on a Unix socket when the
+    test was given --unix) and a connected pagedattn.Client, shared by the class's tests; each
+    test gets its own seeded numpy generator. The package is `cls.pa`."""
+    LAYERS, PAGES = 2, 32
+
+    @classmethod
+    def setUpClass(cls):
+        import pagedattn  # pylint: disable=import-outside-toplevel
+        cls.pa = pagedattn
+        flags = [f"--num_pages={cls.PAGES}", f"--num_layers={cls.LAYERS}", "--cpu_threads=2"]
+        on_unix = getattr(ARGS, "unix", False)
+        cls.server = UnixServer(ARGS.server, flags) if on_unix else Server(ARGS.server, flags)
+        cls.client = pagedattn.Client(cls.server.target)
+        cls.client.wait_for_connected(20)
+        cls.config = cls.client.config
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.kill()
+
+    def setUp(self):
+        self.rng = np.random.default_rng(abs(hash(self.id())) % 2**32)

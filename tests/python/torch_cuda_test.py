@@ -7,6 +7,7 @@ without a CUDA device, or with a server built without the CUDA backend.
 usage: python3 torch_cuda_test.py --server=BIN --package=BUILD/python
 """
 
+import sys
 import unittest
 
 import numpy as np
@@ -154,4 +155,9 @@ class TorchCudaTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
+    # Without torch and a CUDA device nothing here can run: exit 77, which ctest reports as
+    # Skipped (SKIP_RETURN_CODE), instead of a pass.
+    if _skip_reason():
+        print("skipped:", _skip_reason())
+        sys.exit(77)
     t.main()
