@@ -1,15 +1,10 @@
 #include "server/memory/memory_registry.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
+// Registration, resolution and overlap.
 #include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstring>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,118 +14,17 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/memory/fault_guard.h"
+#include "tests/memory/memory_test_util.h"
 
 namespace pagedattn {
 namespace {
 
 using ::testing::HasSubstr;
-
-// A POSIX shared-memory object made by the test, as a client would: created, sized, mapped,
-// filled with random normal floats; unlinked at the end unless already.
-class ShmObject {
- public:
-  explicit ShmObject(size_t bytes) : bytes_(bytes) {
-    static std::atomic<int> counter{0};
-    key_ = absl::StrCat("/pa-memtest-", getpid(), "-", counter.fetch_add(1));
-    fd_ = shm_open(key_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-    EXPECT_GE(fd_, 0) << std::strerror(errno);
-    EXPECT_EQ(ftruncate(fd_, static_cast<off_t>(bytes)), 0);
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
-    EXPECT_NE(p, MAP_FAILED);
-    data_ = static_cast<char*>(p);
-    std::mt19937 rng(std::random_device{}());
-    std::normal_distribution<float> normal;
-    for (size_t i = 0; i + sizeof(float) <= bytes; i += sizeof(float)) {
-      const float x = normal(rng);
-      std::memcpy(data_ + i, &x, sizeof(float));
-    }
-  }
-  ~ShmObject() { Drop(); }
-
-  // As a client that exits: unmaps, closes and unlinks the object.
-  void Drop() {
-    if (data_ != nullptr) munmap(data_, bytes_);
-    data_ = nullptr;
-    if (fd_ >= 0) close(fd_);
-    fd_ = -1;
-    if (!unlinked_) shm_unlink(key_.c_str());
-    unlinked_ = true;
-  }
-
-  // As a misbehaving client: shrinks the object to `bytes`.
-  void Truncate(size_t bytes) { EXPECT_EQ(ftruncate(fd_, static_cast<off_t>(bytes)), 0); }
-
-  const std::string& key() const { return key_; }
-  char* data() const { return data_; }
-  size_t bytes() const { return bytes_; }
-
- private:
-  std::string key_;
-  size_t bytes_;
-  int fd_ = -1;
-  char* data_ = nullptr;
-  bool unlinked_ = false;
-};
-
-std::string RandomBytes(size_t n) {
-  std::mt19937 rng(std::random_device{}());
-  std::normal_distribution<float> normal;
-  std::string out(n, '\0');
-  for (size_t i = 0; i + sizeof(float) <= n; i += sizeof(float)) {
-    const float x = normal(rng);
-    std::memcpy(out.data() + i, &x, sizeof(float));
-  }
-  return out;
-}
-
-std::unique_ptr<MemoryRegistry> NewRegistry(MemoryRegistry::Options options = {}) {
-  absl::StatusOr<std::unique_ptr<MemoryRegistry>> registry = MemoryRegistry::Create(options);
-  EXPECT_TRUE(registry.ok()) << registry.status();
-  return *std::move(registry);
-}
-
-absl::Time Soon(absl::Duration d) { return absl::Now() + d; }
-
-// A RegionMapper over host memory standing in for a GPU backend: it counts every call.
-class FakeMapper : public RegionMapper {
- public:
-  absl::StatusOr<char*> OpenDevice(absl::string_view raw_handle, int32_t device_id,
-                                   uint64_t byte_size) override {
-    std::lock_guard<std::mutex> lock(mu);
-    last_handle = std::string(raw_handle);
-    if (!open_status.ok()) return open_status;
-    if (device_id > 1) return absl::FailedPreconditionError("no such device");
-    if (byte_size > device_memory.size()) return absl::FailedPreconditionError("too small");
-    ++opens;
-    return device_memory.data();
-  }
-  void CloseDevice(char* ptr) override {
-    std::lock_guard<std::mutex> lock(mu);
-    EXPECT_EQ(ptr, device_memory.data());
-    ++closes;
-  }
-  absl::Status PinHost(char* ptr, uint64_t bytes) override {
-    std::lock_guard<std::mutex> lock(mu);
-    if (!pin_status.ok()) return pin_status;
-    ++pins;
-    pinned.push_back({ptr, bytes});
-    return absl::OkStatus();
-  }
-  void UnpinHost(char* ptr) override {
-    std::lock_guard<std::mutex> lock(mu);
-    ++unpins;
-    unpinned.push_back(ptr);
-  }
-
-  std::mutex mu;
-  alignas(256) std::vector<char> device_memory = std::vector<char>(1 << 16);
-  absl::Status open_status = absl::OkStatus();
-  absl::Status pin_status = absl::OkStatus();
-  std::string last_handle;
-  int opens = 0, closes = 0, pins = 0, unpins = 0;
-  std::vector<std::pair<char*, uint64_t>> pinned;
-  std::vector<char*> unpinned;
-};
+using testing::FakeMapper;
+using testing::NewRegistry;
+using testing::RandomBytes;
+using testing::ShmObject;
+using testing::Soon;
 
 TEST(MemoryRegistryTest, CreateRejectsBadOptions) {
   MemoryRegistry::Options options;
@@ -329,275 +223,6 @@ TEST(MemoryRegistryTest, ResolveRejectsBadReferences) {
   EXPECT_EQ(std::memcmp(last->view.data, shm.data() + 1024 - 64, 64), 0);
 }
 
-TEST(MemoryRegistryTest, UnregisterUnlistsAndFreesTheName) {
-  ShmObject shm(4096);
-  auto registry = NewRegistry();
-  EXPECT_EQ(registry->Unregister("r", Soon(absl::Seconds(1))).code(), absl::StatusCode::kNotFound);
-  ASSERT_TRUE(registry->RegisterSystem("r", shm.key(), 0, 64).ok());
-  ASSERT_TRUE(registry->Unregister("r", Soon(absl::Seconds(5))).ok());
-  EXPECT_EQ(registry->Resolve("r", 0, 64, 64).status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(registry->Unregister("r", Soon(absl::Seconds(1))).code(), absl::StatusCode::kNotFound);
-  EXPECT_TRUE(registry->List().empty());
-  EXPECT_EQ(registry->stats().mapped_regions, 0);
-  EXPECT_TRUE(registry->RegisterSystem("r", shm.key(), 64, 64).ok());
-}
-
-TEST(MemoryRegistryTest, UnregisterWaitsForWorkHoldingALease) {
-  ShmObject shm(4096);
-  auto registry = NewRegistry();
-  ASSERT_TRUE(registry->RegisterSystem("r", shm.key(), 0, 4096).ok());
-  absl::StatusOr<ResolvedTensor> t = registry->Resolve("r", 256, 1024, 1024);
-  ASSERT_TRUE(t.ok());
-  const std::string expected(shm.data() + 256, 1024);
-  std::atomic<bool> released{false};
-  std::atomic<bool> not_found_meanwhile{false};
-  std::atomic<bool> readable_meanwhile{false};
-  std::thread work([&] {
-    // The work goes on after Unregister began: its view stays mapped and readable, and the
-    // name is already gone for new references.
-    while (!registry->List().empty()) std::this_thread::yield();
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    not_found_meanwhile =
-        registry->Resolve("r", 0, 64, 64).status().code() == absl::StatusCode::kNotFound;
-    readable_meanwhile = std::memcmp(t->view.data, expected.data(), expected.size()) == 0;
-    released = true;
-    t->lease.Release();
-  });
-  const absl::Time start = absl::Now();
-  absl::Status s = registry->Unregister("r", Soon(absl::Seconds(30)));
-  const absl::Duration waited = absl::Now() - start;
-  work.join();
-  EXPECT_TRUE(s.ok()) << s;
-  EXPECT_TRUE(released);
-  EXPECT_GE(waited, absl::Milliseconds(100));
-  EXPECT_TRUE(not_found_meanwhile);
-  EXPECT_TRUE(readable_meanwhile);
-  EXPECT_EQ(registry->stats().mapped_regions, 0);
-}
-
-TEST(MemoryRegistryTest, UnregisterPastItsDeadlineLeavesTheRegionMappedForItsWork) {
-  ShmObject shm(4096);
-  auto registry = NewRegistry();
-  ASSERT_TRUE(registry->RegisterSystem("r", shm.key(), 0, 4096).ok());
-  absl::StatusOr<ResolvedTensor> t = registry->Resolve("r", 0, 4096, 4096);
-  ASSERT_TRUE(t.ok());
-  const absl::Time start = absl::Now();
-  absl::Status s = registry->Unregister("r", Soon(absl::Milliseconds(50)));
-  EXPECT_GE(absl::Now() - start, absl::Milliseconds(50));
-  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
-  EXPECT_THAT(std::string(s.message()), HasSubstr("unmapped when that work ends"));
-  EXPECT_EQ(registry->Resolve("r", 0, 64, 64).status().code(), absl::StatusCode::kNotFound);
-  MemoryRegistry::Stats stats = registry->stats();
-  EXPECT_EQ(stats.regions, 0);
-  EXPECT_EQ(stats.mapped_regions, 1);
-  EXPECT_EQ(stats.mapped_bytes, 4096);
-  // Still the caller's memory, both ways.
-  EXPECT_EQ(std::memcmp(t->view.data, shm.data(), 4096), 0);
-  const std::string out = RandomBytes(64);
-  std::memcpy(t->view.data, out.data(), 64);
-  EXPECT_EQ(std::memcmp(shm.data(), out.data(), 64), 0);
-  t->lease.Release();
-  EXPECT_EQ(registry->stats().mapped_regions, 0);
-  EXPECT_EQ(registry->stats().mapped_bytes, 0);
-}
-
-TEST(MemoryRegistryTest, ObjectUnlinkedByItsExitedCreatorStaysValidUntilUnregistered) {
-  auto shm = std::make_unique<ShmObject>(2 * 4096);
-  auto registry = NewRegistry();
-  ASSERT_TRUE(registry->RegisterSystem("r", shm->key(), 4096, 4096).ok());
-  const std::string expected(shm->data() + 4096, 4096);
-  const std::string key = shm->key();
-  shm.reset();  // the creator unmaps, closes and unlinks
-  int fd = shm_open(key.c_str(), O_RDONLY, 0);
-  EXPECT_EQ(fd, -1);
-  if (fd >= 0) close(fd);
-  absl::StatusOr<ResolvedTensor> t = registry->Resolve("r", 0, 4096, 4096);
-  ASSERT_TRUE(t.ok()) << t.status();
-  EXPECT_EQ(std::memcmp(t->view.data, expected.data(), 4096), 0);
-  const std::string out = RandomBytes(4096);
-  std::memcpy(t->view.data, out.data(), 4096);
-  EXPECT_EQ(std::memcmp(t->view.data, out.data(), 4096), 0);
-  t->lease.Release();
-  EXPECT_TRUE(registry->Unregister("r", Soon(absl::Seconds(5))).ok());
-  // The key is gone: registering it again is FAILED_PRECONDITION.
-  EXPECT_EQ(registry->RegisterSystem("r2", key, 0, 64).code(),
-            absl::StatusCode::kFailedPrecondition);
-}
-
-TEST(MemoryRegistryTest, ObjectShrunkWhileRegisteredReadsZerosInsteadOfKillingTheProcess) {
-  ShmObject shm(3 * 4096);
-  auto registry = NewRegistry();
-  ASSERT_TRUE(registry->RegisterSystem("r", shm.key(), 0, 3 * 4096).ok());
-  absl::StatusOr<ResolvedTensor> t = registry->Resolve("r", 0, 3 * 4096, 3 * 4096);
-  ASSERT_TRUE(t.ok());
-  const std::string first_page(shm.data(), 4096);
-  const int64_t before = registry->stats().truncated_pages;
-  shm.Truncate(4096);
-  // Pages past the new end: zeros to read, writable without effect; the first page is intact.
-  EXPECT_EQ(std::string(t->view.data + 4096, 2 * 4096), std::string(2 * 4096, '\0'));
-  const std::string out = RandomBytes(2 * 4096);
-  std::memcpy(t->view.data + 4096, out.data(), out.size());
-  EXPECT_EQ(std::memcmp(t->view.data, first_page.data(), 4096), 0);
-  EXPECT_EQ(registry->stats().truncated_pages, before + 2);
-  t->lease.Release();
-  EXPECT_TRUE(registry->Unregister("r", Soon(absl::Seconds(5))).ok());
-}
-
-TEST(MemoryRegistryTest, UnmappedRegionsGiveBackTheirFaultGuardSlots) {
-  ShmObject shm(4096);
-  auto registry = NewRegistry();
-  for (int i = 0; i < fault_guard::kMaxRanges + 100; ++i) {
-    ASSERT_TRUE(registry->RegisterSystem("r", shm.key(), 0, 4096).ok()) << i;
-    ASSERT_TRUE(registry->Unregister("r", Soon(absl::Seconds(5))).ok());
-  }
-}
-
-TEST(MemoryRegistryDeathTest, FaultOutsideRegisteredMemoryStillEndsTheProcess) {
-  // The guard claims only faults in registered mappings.
-  auto registry = NewRegistry();
-  EXPECT_EXIT(
-      {
-        ShmObject shm(2 * 4096);
-        shm.Truncate(0);
-        volatile char c = shm.data()[4096];
-        (void)c;
-        _exit(0);
-      },
-      [](int status) {
-        return (WIFSIGNALED(status) && WTERMSIG(status) == SIGBUS) ||
-               (WIFEXITED(status) && WEXITSTATUS(status) != 0);  // a sanitizer's report
-      },
-      "");
-}
-
-TEST(MemoryRegistryTest, LeasesOutliveTheRegistry) {
-  ShmObject shm(4096);
-  FakeMapper mapper;
-  MemoryRegistry::Options options;
-  options.mapper = &mapper;
-  auto registry = NewRegistry(options);
-  ASSERT_TRUE(registry->RegisterSystem("r", shm.key(), 0, 4096).ok());
-  ASSERT_TRUE(registry->RegisterCuda("g", std::string(64, 'x'), 0, 256).ok());
-  absl::StatusOr<ResolvedTensor> host = registry->Resolve("r", 0, 4096, 4096);
-  absl::StatusOr<ResolvedTensor> device = registry->Resolve("g", 0, 256, 256);
-  ASSERT_TRUE(host.ok() && device.ok());
-  registry.reset();
-  EXPECT_EQ(mapper.unpins, 0);
-  EXPECT_EQ(mapper.closes, 0);
-  EXPECT_EQ(std::memcmp(host->view.data, shm.data(), 4096), 0);
-  host->lease.Release();
-  device->lease.Release();
-  EXPECT_EQ(mapper.unpins, 1);
-  EXPECT_EQ(mapper.closes, 1);
-}
-
-TEST(MemoryRegistryTest, CudaRegionsNeedAGpuBackend) {
-  auto registry = NewRegistry();
-  absl::Status s = registry->RegisterCuda("g", std::string(64, 'h'), 0, 1024);
-  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(std::string(s.message()), HasSubstr("this server has no GPU backend"));
-  EXPECT_TRUE(registry->List().empty());
-}
-
-TEST(MemoryRegistryTest, CudaRegionOpensOnceAndClosesOnceAfterItsLastLease) {
-  FakeMapper mapper;
-  MemoryRegistry::Options options;
-  options.mapper = &mapper;
-  auto registry = NewRegistry(options);
-  const std::string handle = RandomBytes(64);
-  ASSERT_TRUE(registry->RegisterCuda("g", handle, 1, 4096).ok());
-  EXPECT_EQ(mapper.last_handle, handle);
-  EXPECT_EQ(mapper.opens, 1);
-  absl::StatusOr<ResolvedTensor> a = registry->Resolve("g", 0, 1024, 1024);
-  absl::StatusOr<ResolvedTensor> b = registry->Resolve("g", 2048, 512, 512);
-  ASSERT_TRUE(a.ok() && b.ok());
-  EXPECT_EQ(a->view.kind, MemoryKind::kDevice);
-  EXPECT_EQ(a->view.device, 1);
-  EXPECT_EQ(a->view.data, mapper.device_memory.data());
-  EXPECT_EQ(b->view.data, mapper.device_memory.data() + 2048);
-  EXPECT_EQ(registry->Resolve("g", 4096 - 16, 32, 32).status().code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(registry->Unregister("g", Soon(absl::Milliseconds(20))).code(),
-            absl::StatusCode::kDeadlineExceeded);
-  a->lease.Release();
-  EXPECT_EQ(mapper.closes, 0);
-  ResolvedTensor copy = *b;  // a copied lease holds too
-  b->lease.Release();
-  EXPECT_EQ(mapper.closes, 0);
-  std::shared_ptr<const void> erased = copy.lease.shared();  // and a type-erased one
-  copy.lease.Release();
-  EXPECT_EQ(mapper.closes, 0);
-  erased.reset();
-  EXPECT_EQ(mapper.closes, 1);
-  copy.lease.Release();
-  EXPECT_EQ(mapper.closes, 1);
-  EXPECT_EQ(mapper.opens, 1);
-}
-
-TEST(MemoryRegistryTest, RegisterCudaRejectsBadRequestsAndChangesNothing) {
-  FakeMapper mapper;
-  MemoryRegistry::Options options;
-  options.mapper = &mapper;
-  options.max_regions = 2;
-  auto registry = NewRegistry(options);
-  ASSERT_TRUE(registry->RegisterCuda("taken", std::string(64, 'h'), 0, 64).ok());
-  const std::string h(64, 'h');
-  EXPECT_EQ(registry->RegisterCuda("", h, 0, 64).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(registry->RegisterCuda("g", std::string(63, 'h'), 0, 64).code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(registry->RegisterCuda("g", std::string(65, 'h'), 0, 64).code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(registry->RegisterCuda("g", h, -1, 64).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(registry->RegisterCuda("g", h, 0, 0).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(registry->RegisterCuda("taken", h, 0, 64).code(), absl::StatusCode::kAlreadyExists);
-  // The mapper's reasons come through, and the name stays free.
-  absl::Status s = registry->RegisterCuda("g", h, 7, 64);
-  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(std::string(s.message()), HasSubstr("no such device"));
-  EXPECT_EQ(registry->RegisterCuda("g", h, 0, 1 << 20).code(),
-            absl::StatusCode::kFailedPrecondition);
-  mapper.open_status = absl::FailedPreconditionError("invalid resource handle");
-  s = registry->RegisterCuda("g", h, 0, 64);
-  EXPECT_THAT(std::string(s.message()), HasSubstr("invalid resource handle"));
-  mapper.open_status = absl::OkStatus();
-  EXPECT_EQ(mapper.opens, 1);
-  EXPECT_EQ(mapper.closes, 0);
-  EXPECT_EQ(registry->List().size(), 1u);
-  ASSERT_TRUE(registry->RegisterCuda("g", h, 0, 64).ok());
-  EXPECT_EQ(registry->RegisterCuda("h", h, 0, 64).code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_EQ(mapper.opens, 2);
-}
-
-TEST(MemoryRegistryTest, SystemRegionsArePinnedThroughTheMapperAndUnpinnedOnce) {
-  ShmObject shm(3 * 4096);
-  FakeMapper mapper;
-  MemoryRegistry::Options options;
-  options.mapper = &mapper;
-  auto registry = NewRegistry(options);
-  ASSERT_TRUE(registry->RegisterSystem("r", shm.key(), 4096 + 64, 4096).ok());
-  ASSERT_EQ(mapper.pins, 1);
-  absl::StatusOr<ResolvedTensor> t = registry->Resolve("r", 0, 4096, 4096);
-  ASSERT_TRUE(t.ok());
-  // The pinned range covers the region.
-  char* pinned = mapper.pinned[0].first;
-  EXPECT_LE(pinned, t->view.data);
-  EXPECT_GE(pinned + mapper.pinned[0].second, t->view.data + 4096);
-  EXPECT_EQ(registry->Unregister("r", Soon(absl::Milliseconds(10))).code(),
-            absl::StatusCode::kDeadlineExceeded);
-  EXPECT_EQ(mapper.unpins, 0);
-  t->lease.Release();
-  ASSERT_EQ(mapper.unpins, 1);
-  EXPECT_EQ(mapper.unpinned[0], pinned);
-
-  mapper.pin_status = absl::FailedPreconditionError("cudaHostRegister failed");
-  absl::Status s = registry->RegisterSystem("r", shm.key(), 0, 4096);
-  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(std::string(s.message()), HasSubstr("cudaHostRegister failed"));
-  EXPECT_EQ(mapper.unpins, 1);
-  EXPECT_TRUE(registry->List().empty());
-  EXPECT_EQ(registry->stats().mapped_regions, 0);
-}
-
 TEST(MemoryRegistryTest, OverlapIsFoundAcrossTwoNamesForOneObject) {
   ShmObject shm(4 * 4096);
   auto registry = NewRegistry();
@@ -686,6 +311,7 @@ TEST(MemoryRegistryTest, ResolversRaceUnregisterWithoutTouchingUnmappedMemory) {
     EXPECT_EQ(registry->stats().mapped_regions, 0);
   }
 }
+
 
 }  // namespace
 }  // namespace pagedattn
