@@ -5,6 +5,7 @@
 
 #include "gtest/gtest.h"
 #include "pagedattn/kernels/decode.h"
+#include "tests/backend/launch_plan_test_util.h"
 
 namespace pagedattn {
 namespace {
@@ -13,49 +14,13 @@ namespace k = kernels;
 
 constexpr int32_t kLastLen = 5;  // tokens in each sequence's last page
 
-// A batch built as the engine builds one: requests of decode steps, each request's tensors in
-// one block laid out as the engine lays them out (q rows, K rows, V rows, output rows, lse
-// rows, back to back); sequence s of the batch reads pool page 10 + s and writes its last
-// token there.
-class BatchBuilder {
+// Sequence s of a batch reads pool page 10 + s and writes its last token there.
+class BatchBuilder : public testing::DecodeStepBatch {
  public:
-  // Adds a request of n sequences whose block starts at `at`; returns the block's end.
-  char* AddRequest(char* at, int32_t n) {
-    char* const q = at;
-    char* const kk = q + n * k::kQueryBytes;
-    char* const vv = kk + n * k::kTokenBytes;
-    char* const out = vv + n * k::kTokenBytes;
-    char* const lse = out + n * k::kQueryBytes;
-    if (batch_.plan.kv_indptr.empty()) batch_.plan.kv_indptr.push_back(0);
-    for (int32_t i = 0; i < n; ++i) {
-      const int32_t page = 10 + batch_.plan.batch_size();
-      batch_.plan.kv_indices.push_back(page);
-      batch_.plan.kv_indptr.push_back(static_cast<int32_t>(batch_.plan.kv_indices.size()));
-      batch_.plan.kv_last_page_len.push_back(kLastLen);
-      batch_.q.push_back(reinterpret_cast<const uint16_t*>(q + i * k::kQueryBytes));
-      batch_.output.push_back(reinterpret_cast<uint16_t*>(out + i * k::kQueryBytes));
-      batch_.lse.push_back(reinterpret_cast<float*>(lse + i * k::kLseBytes));
-      batch_.writes.push_back({reinterpret_cast<const uint16_t*>(kk + i * k::kTokenBytes),
-                               reinterpret_cast<const uint16_t*>(vv + i * k::kTokenBytes), 1,
-                               static_cast<int64_t>(batch_.write_slots.size())});
-      batch_.write_slots.push_back(int64_t{page} * k::kPageSize + kLastLen - 1);
-    }
-    batch_.sm_scale = 0.088f;
-    batch_.sequences_distinct = true;
-    return lse + n * k::kLseBytes;
-  }
-  BackendBatch& batch() { return batch_; }
-
- private:
-  BackendBatch batch_;
+  BatchBuilder() : DecodeStepBatch(/*first_page=*/10, kLastLen) {}
 };
 
-StagingCapacity Capacity(int64_t staged_tokens = 8192) {
-  StagingCapacity c = StagingCapacity::For(
-      {.num_layers = 2, .num_pages = 100, .max_batch_size = 16}, staged_tokens);
-  c.plan_bytes = 4096;
-  return c;
-}
+StagingCapacity Capacity(int64_t staged_tokens = 8192) { return testing::PlanCapacity(staged_tokens); }
 
 class LaunchPlanTest : public ::testing::Test {
  protected:
