@@ -55,6 +55,19 @@ class _Registration:
         self._client = self.name = None
         return client, name
 
+    # `with` closes (close()); `async with` closes for an AsyncClient (aclose()).
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()
+
     def _require_registered(self) -> str:
         if self.name is None:
             raise PagedAttnError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -210,18 +223,6 @@ class SystemRegion(_Registration):
         finally:
             self._release()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.aclose()
-
 
 class _Driver:
     """The two CUDA driver calls a CudaRegion needs, through libcuda (loaded on first use)."""
@@ -351,15 +352,3 @@ class CudaRegion(_Registration):
                 if e.code != grpc.StatusCode.NOT_FOUND:
                     raise
         self._tensor = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.aclose()
