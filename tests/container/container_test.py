@@ -205,13 +205,38 @@ def check_decode_against_reference(cli, target, work):
         run(c + ["release", str(sid)], what="release")
 
 
-def check_python_client(target):
-    # ---- Python client: its check goes here ------------------------------------------------
-    # The Python client package (client/python/pagedattn) is being written separately and is
-    # not in this tree yet. Once it is: create, append and decode through it against `target`
-    # and compare with t.reference, as check_decode_against_reference does for the CLI.
-    print(f"python client: not checked (client/python/pagedattn is not in this tree); "
-          f"target would be {target}")
+def check_python_client(target, package):
+    """The Python client package (`package`: the build tree's python folder) creates, appends
+    over every layer and decodes against the container; the result is checked against the
+    float64 reference of tests/python/package_testing."""
+    sys.path.insert(0, package)
+    sys.path.insert(0, os.path.join(SOURCE, "tests", "python"))
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import pagedattn  # pylint: disable=import-outside-toplevel
+    import package_testing as pt  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(23)
+    sid = 4242
+    with pagedattn.Client(target) as client:
+        client.wait_for_connected(10)
+        cfg = client.config
+        client.create(sid)
+        try:
+            keys = values = None
+            for layer in range(cfg.num_layers):
+                keys = pt.random_bf16(rng, cfg.kv_shape(70))
+                values = pt.random_bf16(rng, cfg.kv_shape(70))
+                client.append(sid, layer, keys, values)
+            q = pt.random_bf16(rng, cfg.q_shape(1))
+            result = client.decode(cfg.num_layers - 1, [sid], q)
+            want_out, want_lse = pt.reference(q[0], keys, values, 1.0 / np.sqrt(cfg.head_dim))
+            err = np.linalg.norm(result.output[0] - want_out) / np.linalg.norm(want_out)
+            lse_err = float(np.max(np.abs(result.lse[0] - want_lse)))
+            if not (err < 1e-2 and lse_err < 1e-3):
+                fail(f"python client: output rel L2 {err:.3g}, lse error {lse_err:.3g}")
+        finally:
+            client.release(sid)
+    print(f"python client: create, append over {cfg.num_layers} layers and decode match the "
+          f"reference (output rel L2 {err:.2g}, lse error {lse_err:.2g})")
 
 
 def check_run(args):
@@ -248,7 +273,7 @@ def check_run(args):
             if config.get("backend") != "cpu" or config.get("num_layers") != 2:
                 fail(f"config: {config}")
             check_decode_against_reference(args.cli, grpc, work)
-            check_python_client(grpc)
+            check_python_client(grpc, args.python_package)
 
             out = os.path.join(work, "loadgen.json")
             run([args.loadgen, f"--target={grpc}", f"--metrics_address={metrics}",
@@ -428,6 +453,7 @@ def main():
     p.add_argument("--cli")
     p.add_argument("--loadgen")
     p.add_argument("--health")
+    p.add_argument("--python_package", help="the build tree's python folder (pagedattn package)")
     p.add_argument("--compose", default="docker-compose")
     p.add_argument("--dashboard", default=os.path.join(SOURCE, "deploy", "grafana", "dashboards",
                                                        "pagedattn.json"))
