@@ -5,8 +5,8 @@
                    pagedattn-prometheus:local exist afterwards; prints their sizes and times.
   --check=run      pagedattn:cpu with a read-only root file system, ports on 127.0.0.1: Docker's
                    HEALTHCHECK turns healthy and pagedattn-health answers SERVING from the host;
-                   pagedattn-cli creates, appends and decodes, outputs checked against a Python
-                   reference; pagedattn-loadgen checks its decodes against its CPU reference;
+                   pagedattn-cli and the Python client package create, append and decode,
+                   outputs checked against a Python reference; pagedattn-loadgen checks its decodes against its CPU reference;
                    the server's uid is not 0; `docker stop` during an in-flight decode drains
                    it (the decode succeeds) and the container exits 0 within its grace period.
   --check=compose  deploy/docker-compose.yml (plus tests/container/compose.test.yml: a small
