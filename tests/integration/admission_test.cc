@@ -52,8 +52,6 @@ class AdmissionTest : public IntegrationTest {
     if (got == want) return ::testing::AssertionSuccess();
     return ::testing::AssertionFailure() << what << " is " << got << ", want " << want;
   }
-
-  PoolSnapshot before_;
 };
 
 TEST_F(AdmissionTest, WorkPastItsDeadlineIsDroppedBeforeComputeAndCounted) {

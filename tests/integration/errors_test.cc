@@ -15,21 +15,10 @@ namespace {
 
 class ErrorTest : public IntegrationTest {
  protected:
-  // A server with a witness sequence (id 1, 100 tokens) and a target sequence (id 2, 10 tokens).
   void StartWithWitness(const std::vector<std::string>& flags, int32_t num_layers = 1) {
     StartServer(flags, num_layers);
-    Prefill(1, 100);
-    Prefill(2, 10);
-    before_ = Snapshot();
-    witness_ = WitnessBytes(1);
+    PrefillWitness();
   }
-  void ExpectUnchanged() {
-    EXPECT_EQ(Snapshot(), before_);
-    EXPECT_EQ(WitnessBytes(1), witness_);
-  }
-
-  PoolSnapshot before_;
-  std::string witness_;
 };
 
 TEST_F(ErrorTest, InvalidArgumentForBadShapesAndFields) {

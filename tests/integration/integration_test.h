@@ -40,11 +40,27 @@ class IntegrationTest : public ::testing::Test {
   // Snapshot() and the bytes of an attend-only Decode of `witness` at layer 0.
   std::string WitnessBytes(uint64_t witness);
 
+  // On a started server: a witness sequence (id 1, 100 tokens) and a target sequence (id 2, 10
+  // tokens), then the pool and the witness's decode recorded in before_ and witness_.
+  void PrefillWitness() {
+    Prefill(1, 100);
+    Prefill(2, 10);
+    before_ = Snapshot();
+    witness_ = WitnessBytes(1);
+  }
+  // The pool and the witness's decode are as PrefillWitness (or the test) recorded them.
+  void ExpectUnchanged() {
+    EXPECT_EQ(Snapshot(), before_);
+    EXPECT_EQ(WitnessBytes(1), witness_);
+  }
+
   std::mt19937_64 rng_{20261202};
   std::unique_ptr<ServerProcess> server_;
   std::unique_ptr<client::Client> client_;
   std::unique_ptr<KvMirror> mirror_;
   uint64_t next_request_id_ = 1;
+  PoolSnapshot before_;
+  std::string witness_;
 };
 
 }  // namespace pagedattn::testing

@@ -59,17 +59,9 @@ class MemoryTest : public IntegrationTest, public ::testing::WithParamInterface<
     }
   }
 
-  // A server with a witness sequence (id 1, 100 tokens) and a target sequence (id 2, 10 tokens).
   void StartWithWitness(const std::vector<std::string>& flags) {
     Start(flags);
-    Prefill(1, 100);
-    Prefill(2, 10);
-    before_ = Snapshot();
-    witness_ = WitnessBytes(1);
-  }
-  void ExpectUnchanged() {
-    EXPECT_EQ(Snapshot(), before_);
-    EXPECT_EQ(WitnessBytes(1), witness_);
+    PrefillWitness();
   }
 
   // A region of `bytes` registered as `name` through client_.
@@ -80,8 +72,6 @@ class MemoryTest : public IntegrationTest, public ::testing::WithParamInterface<
   }
 
   std::string socket_path_;
-  PoolSnapshot before_;
-  std::string witness_;
 };
 
 }  // namespace pagedattn::testing
