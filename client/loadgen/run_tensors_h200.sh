@@ -8,6 +8,8 @@
 # each with one layer, batches of 64 and no batching delay: on 127.0.0.1 (TCP) and on a Unix
 # socket. Writes OUT_DIR/<run>.json, summary.txt and tensors.md (the table against the targets).
 # SMOKE=1: tiny shapes, for trying the script on a CPU-backend server (cuda runs are skipped).
+# KINDS: the tensor kinds to run (default "inline system cuda").
+# SERVER: the server binary's name in BUNDLE/bin (default pagedattn-server), to measure a variant.
 set -uo pipefail
 out=${1:?usage: run_tensors_h200.sh OUT_DIR [BUNDLE]}
 bundle=$(cd "${2:-.device/bundle}" && pwd) || exit 2
@@ -15,13 +17,13 @@ cd "$(dirname "$0")/../.."
 export LD_LIBRARY_PATH=$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 mkdir -p "$out"
 : > "$out/summary.txt"
-b=64 ctx=4096 small_ctx=512 steps=400 small_steps=2000 kinds="inline system cuda" backend=cuda
+b=64 ctx=4096 small_ctx=512 steps=400 small_steps=2000 kinds=${KINDS:-"inline system cuda"} backend=cuda
 if [[ ${SMOKE:-0} == 1 ]]; then
   b=4 ctx=256 small_ctx=128 steps=20 small_steps=50 kinds="inline system" backend=cpu
 fi
 server_pid=
 start_server() {  # start_server ADDRESS
-  "$bundle/bin/pagedattn-server" --backend=$backend --grpc_address="$1" --metrics_address=127.0.0.1:0 \
+  "$bundle/bin/${SERVER:-pagedattn-server}" --backend=$backend --grpc_address="$1" --metrics_address=127.0.0.1:0 \
     --num_layers=1 --max_batch_size=64 --max_queue_delay_us=0 --num_pages=40000 \
     > "$out/server_${2}.log" 2>&1 &
   server_pid=$!
