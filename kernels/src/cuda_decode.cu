@@ -310,6 +310,10 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, const NewTokenRows& rows,
     return Invalid("CudaDecoder::Run: batch_size " + std::to_string(args.batch_size) +
                    " differs from the planned " + std::to_string(d.plan.batch_size));
   }
+  if (args.shape != Shape{}) {
+    return Invalid("CudaDecoder::Run: the kernel is built for " + DescribeShape(Shape{}) +
+                   " only, not " + DescribeShape(args.shape));
+  }
   if (args.batch_size == 0) return KernelStatus::Ok();
   if (args.q == nullptr || args.output == nullptr || args.lse == nullptr) {
     return Invalid("CudaDecoder::Run: null q, output or lse");
@@ -354,15 +358,16 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, const NewTokenRows& rows,
     p.v_map = d.v_map;
   }
   const char* table = static_cast<const char*>(d.run_dev_table);
-  p.q = args.q;
-  p.k_cache = args.k_cache;
-  p.v_cache = args.v_cache;
+  // The shape above is bf16 throughout.
+  p.q = static_cast<const uint16_t*>(args.q);
+  p.k_cache = static_cast<const uint16_t*>(args.k_cache);
+  p.v_cache = static_cast<const uint16_t*>(args.v_cache);
   p.kv_indices = args.kv_indices;
   p.new_k = rows.k;
   p.new_v = rows.v;
   p.k_out = rows.k_cache;
   p.v_out = rows.v_cache;
-  p.output = args.output;
+  p.output = static_cast<uint16_t*>(args.output);
   p.lse = args.lse;
   p.header = reinterpret_cast<const PlanHeader*>(table);
   p.items = reinterpret_cast<const WorkItem*>(table + d.capacity.ItemsOffset());
@@ -412,7 +417,7 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, const NewTokenRows& rows,
   mp.groups = p.groups;
   mp.part_o = d.part_o;
   mp.part_lse = d.part_lse;
-  mp.output = args.output;
+  mp.output = p.output;
   mp.lse = args.lse;
   mp.counters = d.counters;
   mp.merged = d.counters + d.capacity.MaxGroups() + 2;

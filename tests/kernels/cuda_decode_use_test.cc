@@ -199,8 +199,8 @@ TEST_F(CudaDecodeTest, AppendsTheNewestTokenBeforeReadingIt) {
   std::string error;
   ASSERT_TRUE(dev.Init(b, FreshSeed(), &error)) << error;
   const DecodeArgs args = dev.Args();
-  auto* k_cache = const_cast<uint16_t*>(args.k_cache);  // the test's own device memory
-  auto* v_cache = const_cast<uint16_t*>(args.v_cache);
+  auto* k_cache = static_cast<uint16_t*>(const_cast<void*>(args.k_cache));  // the test's own device memory
+  auto* v_cache = static_cast<uint16_t*>(const_cast<void*>(args.v_cache));
   // Where sequence s's newest token lies in a cache (elements).
   auto place = [&](int32_t s) {
     return int64_t{b.indices[b.indptr[s + 1] - 1]} * kPageElems + (b.last[s] - 1) * kTokenElems;
