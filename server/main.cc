@@ -9,8 +9,10 @@
 #include <cstdlib>
 #include <cstdint>
 #include <exception>
+#include <fstream>
 #include <iostream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -28,6 +30,7 @@
 #include "server/backend/backend.h"
 #include "server/backend/cpu_backend.h"
 #include "server/engine/engine.h"
+#include "server/engine/model_options.h"
 #include "server/metrics/metrics.h"
 #include "server/service/auth.h"
 #include "server/service/grpc_server.h"
@@ -86,6 +89,19 @@ ABSL_FLAG(int32_t, http2_window_bytes, 8 << 20,
 ABSL_FLAG(int32_t, http2_max_frame_bytes, 0,
           "Largest HTTP/2 frame accepted (16384..16777215); 0: gRPC's default 16 KiB");
 ABSL_FLAG(int32_t, num_layers, 1, "Layers in the KV pool");
+ABSL_FLAG(int32_t, num_qo_heads, pagedattn::kernels::Shape{}.num_qo_heads,
+          "Query heads of the model (of this shard under tensor parallelism)");
+ABSL_FLAG(int32_t, num_kv_heads, pagedattn::kernels::Shape{}.num_kv_heads,
+          "KV heads; num_qo_heads must be 1 to 8 times as many");
+ABSL_FLAG(int32_t, head_dim, pagedattn::kernels::Shape{}.head_dim, "Head size: 64, 128 or 256");
+ABSL_FLAG(int32_t, page_size, pagedattn::kernels::Shape{}.page_size,
+          "Tokens per KV page: 16, 32 or 64");
+ABSL_FLAG(std::string, dtype, "bf16",
+          "Element type of q, k, v and output as callers send and receive them: bf16 or fp16");
+ABSL_FLAG(std::string, kv_cache_dtype, "auto",
+          "Element type of the pages: auto (= --dtype) or fp8_e4m3 (k and v quantized on write)");
+ABSL_FLAG(std::string, kv_cache_scales_file, "",
+          "fp8 pages: JSON {\"k_scale\": [one per layer], \"v_scale\": [...]}; empty: 1.0");
 ABSL_FLAG(int32_t, max_batch_size, 64, "Most sequences per backend launch (and per Decode)");
 ABSL_FLAG(int64_t, max_queue_delay_us, 200, "Longest wait, in microseconds, to fill a batch");
 ABSL_FLAG(int32_t, max_queue_depth, 4096, "Work items waiting for a batch; more get UNAVAILABLE");
@@ -147,6 +163,42 @@ absl::StatusOr<int64_t> ResolveNumPages(std::string_view backend_name) {
   (void)backend_name;
 #endif
   return kCpuDefaultPages;
+}
+
+// The model shape and the fp8 scales from their flags; INVALID_ARGUMENT (with the supported
+// set) for a shape this service does not serve.
+absl::Status ModelFromFlags(Engine::Options* options) {
+  kernels::Shape& model = options->model;
+  model.num_qo_heads = absl::GetFlag(FLAGS_num_qo_heads);
+  model.num_kv_heads = absl::GetFlag(FLAGS_num_kv_heads);
+  model.head_dim = absl::GetFlag(FLAGS_head_dim);
+  model.page_size = absl::GetFlag(FLAGS_page_size);
+  absl::StatusOr<kernels::DType> dtype = ParseDType(absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat("--dtype: ", dtype.status().message()));
+  model.dtype = *dtype;
+  const std::string kv = absl::GetFlag(FLAGS_kv_cache_dtype);
+  absl::StatusOr<kernels::DType> kv_dtype = kv == "auto" ? *dtype : ParseDType(kv);
+  if (!kv_dtype.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--kv_cache_dtype: ", kv_dtype.status().message()));
+  }
+  model.kv_dtype = *kv_dtype;
+  if (const kernels::KernelStatus s = kernels::ValidateShape(model); !s.ok()) {
+    return absl::InvalidArgumentError(s.message);
+  }
+  const std::string scales_file = absl::GetFlag(FLAGS_kv_cache_scales_file);
+  if (scales_file.empty()) return absl::OkStatus();
+  if (model.kv_dtype != kernels::DType::kFp8E4m3) {
+    return absl::InvalidArgumentError("--kv_cache_scales_file needs --kv_cache_dtype=fp8_e4m3");
+  }
+  std::ifstream in(scales_file);
+  std::stringstream text;
+  text << in.rdbuf();
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("cannot read ", scales_file));
+  absl::StatusOr<KvCacheScales> scales = ParseKvCacheScales(text.str(), options->num_layers);
+  if (!scales.ok()) return scales.status();
+  options->k_scales = std::move(scales->k_scale);
+  options->v_scales = std::move(scales->v_scale);
+  return absl::OkStatus();
 }
 
 // The one place the backend is chosen. `choice` is auto, cpu or cuda.
@@ -251,13 +303,14 @@ int Serve() {
     metrics_port = ports.empty() ? 0 : ports.front();
   }
 
+  Engine::Options engine_options;
+  engine_options.num_layers = absl::GetFlag(FLAGS_num_layers);
+  if (absl::Status s = ModelFromFlags(&engine_options); !s.ok()) return Fail("model shape", s);
   absl::StatusOr<std::unique_ptr<Backend>> backend =
       MakeBackend(absl::GetFlag(FLAGS_backend), absl::GetFlag(FLAGS_cpu_threads));
   if (!backend.ok()) return Fail("backend", backend.status());
   const std::string backend_name((*backend)->name());
 
-  Engine::Options engine_options;
-  engine_options.num_layers = absl::GetFlag(FLAGS_num_layers);
   absl::StatusOr<int64_t> num_pages = ResolveNumPages(backend_name);
   if (!num_pages.ok()) return Fail("num_pages", num_pages.status());
   engine_options.num_pages = *num_pages;

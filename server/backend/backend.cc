@@ -1,7 +1,9 @@
 #include "server/backend/backend.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -16,14 +18,15 @@ absl::StatusOr<char*> Backend::OpenDeviceMemory(std::string_view /*ipc_handle*/,
       "CUDA memory regions need the CUDA backend; this server runs the ", std::string(name()), " backend"));
 }
 
-DecodeBlockLayout DecodeBlockLayout::For(int64_t num_sequences, bool with_kv) {
-  const int64_t kv_bytes = with_kv ? num_sequences * kernels::kTokenBytes : 0;
+DecodeBlockLayout DecodeBlockLayout::For(const kernels::Shape& model, int64_t num_sequences,
+                                         bool with_kv) {
+  const int64_t kv_bytes = with_kv ? num_sequences * model.token_bytes() : 0;
   DecodeBlockLayout l;
-  l.k = num_sequences * kernels::kQueryBytes;
+  l.k = num_sequences * model.query_bytes();
   l.v = l.k + kv_bytes;
   l.output = l.v + kv_bytes;
-  l.lse = l.output + num_sequences * kernels::kQueryBytes;
-  l.bytes = l.lse + num_sequences * kernels::kLseBytes;
+  l.lse = l.output + num_sequences * model.query_bytes();
+  l.bytes = l.lse + num_sequences * model.lse_bytes();
   return l;
 }
 
@@ -49,6 +52,31 @@ bool AnyOutOfRange(const std::vector<int32_t>& values, int64_t limit) {
 
 }  // namespace
 
+absl::Status ValidatePoolShape(const Backend::PoolShape& shape) {
+  if (shape.num_layers <= 0 || shape.num_pages <= 0 || shape.max_batch_size <= 0) {
+    return absl::InvalidArgumentError("num_layers, num_pages and max_batch_size must be > 0");
+  }
+  if (int64_t{shape.num_layers} * shape.num_pages > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError("num_layers * num_pages must fit in int32");
+  }
+  if (const kernels::KernelStatus s = kernels::ValidateShape(shape.model); !s.ok()) {
+    return absl::InvalidArgumentError(s.message);
+  }
+  for (const std::vector<float>* scales : {&shape.k_scales, &shape.v_scales}) {
+    if (!scales->empty() && static_cast<int32_t>(scales->size()) != shape.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat("KV cache scales: ", scales->size(),
+                                                     " values for ", shape.num_layers, " layers"));
+    }
+    for (const float x : *scales) {
+      if (!std::isfinite(x) || !(x > 0.0f)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("KV cache scales must be finite and > 0, got ", x));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateBatch(const BackendBatch& batch, const Backend::PoolShape& shape) {
   if (absl::Status s = ValidateBatchShape(batch, shape); !s.ok()) return s;
   return ValidatePoolPages(batch, shape);
@@ -61,7 +89,7 @@ absl::Status ValidateBatchShape(const BackendBatch& batch, const Backend::PoolSh
       return absl::InternalError(absl::StrCat("page copy ", c.src, " -> ", c.dst, " out of range"));
     }
   }
-  const int64_t num_slots = pool_pages * k::kPageSize;
+  const int64_t num_slots = pool_pages * shape.model.page_size;
   for (const TokenWrite& w : batch.writes) {
     if (w.num_tokens < 0 || w.slot_begin < 0 ||
         w.slot_begin + w.num_tokens > static_cast<int64_t>(batch.write_slots.size()) ||
@@ -85,7 +113,7 @@ absl::Status ValidateBatchShape(const BackendBatch& batch, const Backend::PoolSh
   }
   for (int32_t i = 0; i < b; ++i) {
     if (plan.kv_indptr[i + 1] < plan.kv_indptr[i] || plan.kv_last_page_len[i] < 1 ||
-        plan.kv_last_page_len[i] > k::kPageSize || batch.q[i] == nullptr ||
+        plan.kv_last_page_len[i] > shape.model.page_size || batch.q[i] == nullptr ||
         batch.output[i] == nullptr || batch.lse[i] == nullptr) {
       return absl::InternalError("malformed plan");
     }

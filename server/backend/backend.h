@@ -30,6 +30,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "pagedattn/kernels/plan.h"
+#include "pagedattn/kernels/shape.h"
 #include "server/backend/host_ring.h"
 #include "server/kv/kv_types.h"
 
@@ -103,7 +104,7 @@ struct BackendBatch {
 // in one copy.
 struct DecodeBlockLayout {
   int64_t q = 0, k = 0, v = 0, output = 0, lse = 0, bytes = 0;
-  static DecodeBlockLayout For(int64_t num_sequences, bool with_kv);
+  static DecodeBlockLayout For(const kernels::Shape& model, int64_t num_sequences, bool with_kv);
 };
 
 class Backend {
@@ -112,6 +113,13 @@ class Backend {
     int32_t num_layers = 1;      // > 0
     int64_t num_pages = 0;       // per layer, > 0; num_layers * num_pages <= INT32_MAX
     int32_t max_batch_size = 0;  // sequences per launch (plan.batch_size() never exceeds it)
+    kernels::Shape model;        // heads, head size, page size, element types (ValidateShape)
+    // fp8 pages: each layer's K and V scale (a stored value reads back as value * scale);
+    // [num_layers] each, or empty for 1.0. Ignored for bf16 and fp16 pages.
+    std::vector<float> k_scales, v_scales;
+
+    float k_scale(int32_t layer) const { return k_scales.empty() ? 1.0f : k_scales[layer]; }
+    float v_scale(int32_t layer) const { return v_scales.empty() ? 1.0f : v_scales[layer]; }
   };
 
   virtual ~Backend() = default;
@@ -170,6 +178,11 @@ class Backend {
 // Checks a batch against the pool shape before any backend touches memory: every page id,
 // slot and size in range, the plan well formed. INTERNAL with what is wrong. Both backends call
 // it first (on a device a bad page id is a fault that ends the context).
+// A pool shape both backends accept: layers, pages and batch size > 0, num_layers * num_pages
+// within int32, a supported model shape (kernels::ValidateShape), and scales that are empty or
+// one finite positive value per layer. INVALID_ARGUMENT naming what is wrong.
+absl::Status ValidatePoolShape(const Backend::PoolShape& shape);
+
 absl::Status ValidateBatch(const BackendBatch& batch, const Backend::PoolShape& shape);
 // ValidateBatch in two parts: everything but the plan's page ids (sizes, pointers, plan
 // structure, page copies, slots: O(batch size + written tokens)), and the page ids (O(pages)).

@@ -51,11 +51,12 @@ class CpuBackend final : public Backend {
   PoolShape shape_;
   bool initialized_ = false;
   int64_t pool_pages_ = 0;              // num_layers * num_pages
-  std::unique_ptr<uint16_t[]> k_pool_;  // [num_layers * num_pages, 64, 4, 128] bf16
-  std::unique_ptr<uint16_t[]> v_pool_;
-  std::vector<uint16_t> q_staging_;     // [max_batch_size, 24, 128]
-  std::vector<uint16_t> out_staging_;   // [max_batch_size, 24, 128]
-  std::vector<float> lse_staging_;      // [max_batch_size, 24]
+  // [num_layers * num_pages, page_size, num_kv_heads, head_dim] in the model's kv_dtype.
+  std::unique_ptr<uint8_t[]> k_pool_;
+  std::unique_ptr<uint8_t[]> v_pool_;
+  std::vector<uint16_t> q_staging_;     // [max_batch_size, num_qo_heads, head_dim]
+  std::vector<uint16_t> out_staging_;   // [max_batch_size, num_qo_heads, head_dim]
+  std::vector<float> lse_staging_;      // [max_batch_size, num_qo_heads]
   absl::Status last_launch_;            // what Wait reports
   std::unique_ptr<char[]> ring_memory_;  // aligned to HostRing::kAlignment inside
   std::unique_ptr<HostRing> ring_;

@@ -201,13 +201,14 @@ int64_t CudaBackend::staging_device_bytes() const {
 absl::Status CudaBackend::Init(const PoolShape& shape) {
   Impl& d = *impl_;
   if (d.init_called) return absl::FailedPreconditionError("backend already initialized");
-  if (shape.num_layers <= 0 || shape.num_pages <= 0 || shape.max_batch_size <= 0) {
-    return absl::InvalidArgumentError("num_layers, num_pages and max_batch_size must be > 0");
+  if (absl::Status s = ValidatePoolShape(shape); !s.ok()) return s;
+  // The decode kernel is compiled for one model shape (the defaults of kernels::Shape).
+  if (shape.model != k::Shape{}) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the CUDA backend serves ", k::DescribeShape(k::Shape{}), " only, not ",
+        k::DescribeShape(shape.model), "; the CPU backend serves every supported shape"));
   }
   const int64_t pool_pages = int64_t{shape.num_layers} * shape.num_pages;
-  if (pool_pages > std::numeric_limits<int32_t>::max()) {
-    return absl::InvalidArgumentError("num_layers * num_pages must fit in int32");
-  }
   d.init_called = true;
   d.shape = shape;
   d.pool_pages = pool_pages;

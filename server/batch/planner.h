@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "pagedattn/kernels/plan.h"
+#include "pagedattn/kernels/shape.h"
 
 namespace pagedattn {
 
@@ -21,6 +22,7 @@ class Planner {
   struct Options {
     int32_t num_layers = 1;  // > 0
     int64_t num_pages = 0;   // per layer, > 0; num_layers * num_pages <= INT32_MAX
+    int32_t page_size = kernels::Shape{}.page_size;  // tokens per page, > 0
   };
 
   // INVALID_ARGUMENT for bad options.
@@ -30,7 +32,7 @@ class Planner {
     return int64_t{layer} * options_.num_pages + page;
   }
 
-  // Appends one sequence to *plan: its first ceil(tokens / 64) pages (page ids per layer, in
+  // Appends one sequence to *plan: its first ceil(tokens / page_size) pages (page ids per layer, in
   // token order) at `layer`. INVALID_ARGUMENT when the layer or a page is out of range or there
   // are too few pages for `tokens`; *plan is unchanged then.
   absl::Status AddSequence(int32_t layer, absl::Span<const int32_t> pages, int64_t tokens,

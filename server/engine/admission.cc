@@ -9,12 +9,11 @@
 
 namespace pagedattn {
 
-namespace k = kernels;
-
 void Admission::Decode(DecodeWork work, Engine::DecodeDone done) {
   const int64_t b = static_cast<int64_t>(work.sequence_ids.size());
-  assert(b > 0 && static_cast<int64_t>(work.q.size()) == b * k::kQueryBytes);
-  assert(work.k.size() == work.v.size() && (work.k.empty() || work.k.size() == b * k::kTokenBytes));
+  assert(b > 0 && static_cast<int64_t>(work.q.size()) == b * model_.query_bytes());
+  assert(work.k.size() == work.v.size() &&
+         (work.k.empty() || static_cast<int64_t>(work.k.size()) == b * model_.token_bytes()));
   assert(work.sm_scale > 0.0f);
   auto item = std::make_unique<WorkItem>();
   item->is_decode = true;
@@ -28,7 +27,8 @@ void Admission::Decode(DecodeWork work, Engine::DecodeDone done) {
 }
 
 void Admission::Append(AppendWork work, Engine::AppendDone done) {
-  assert(work.num_tokens > 0 && work.k.size() == work.num_tokens * k::kTokenBytes &&
+  assert(work.num_tokens > 0 &&
+         static_cast<int64_t>(work.k.size()) == work.num_tokens * model_.token_bytes() &&
          work.v.size() == work.k.size());
   auto item = std::make_unique<WorkItem>();
   item->is_decode = false;
@@ -46,7 +46,7 @@ void Admission::ReceiveIntoBlock(WorkItem* item) {
     return;
   }
   const DecodeBlockLayout l =
-      DecodeBlockLayout::For(static_cast<int64_t>(w.sequence_ids.size()), item->decode_kv);
+      DecodeBlockLayout::For(model_, static_cast<int64_t>(w.sequence_ids.size()), item->decode_kv);
   HostBlock block = backend_->TakeHostBlock(l.bytes);
   if (metrics_ != nullptr) metrics_->RecordDecodeReceive(static_cast<bool>(block));
   if (!block) return;

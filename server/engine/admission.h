@@ -22,9 +22,9 @@ namespace pagedattn {
 
 class Admission {
  public:
-  // All outlive the admission; metrics may be null.
-  Admission(Backend* backend, Batcher* batcher, Metrics* metrics)
-      : backend_(backend), batcher_(batcher), metrics_(metrics) {}
+  // All outlive the admission; metrics may be null. `model` gives the requests' sizes.
+  Admission(const kernels::Shape& model, Backend* backend, Batcher* batcher, Metrics* metrics)
+      : model_(model), backend_(backend), batcher_(batcher), metrics_(metrics) {}
 
   void Decode(DecodeWork work, Engine::DecodeDone done);
   void Append(AppendWork work, Engine::AppendDone done);
@@ -42,6 +42,7 @@ class Admission {
   void ReceiveIntoBlock(WorkItem* item);
   void Enqueue(std::unique_ptr<WorkItem> item);
 
+  const kernels::Shape model_;
   Backend* const backend_;
   Batcher* const batcher_;
   Metrics* const metrics_;

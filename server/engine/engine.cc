@@ -105,10 +105,14 @@ absl::Status Engine::Impl::Init() {
       BlockAllocator::Create({.num_pages = options_.num_pages});
   if (!allocator.ok()) return allocator.status();
   absl::StatusOr<std::unique_ptr<SequenceTable>> table =
-      SequenceTable::Create({.num_layers = options_.num_layers}, allocator->get());
+      SequenceTable::Create({.num_layers = options_.num_layers,
+                             .page_size = options_.model.page_size},
+                            allocator->get());
   if (!table.ok()) return table.status();
   absl::StatusOr<std::unique_ptr<StepBuilder>> step_builder = StepBuilder::Create(
-      {.num_layers = options_.num_layers, .num_pages = options_.num_pages}, metrics_);
+      {.num_layers = options_.num_layers, .num_pages = options_.num_pages,
+       .model = options_.model},
+      metrics_);
   if (!step_builder.ok()) return step_builder.status();
   absl::StatusOr<std::unique_ptr<Batcher>> batcher =
       Batcher::Create({.max_batch_size = options_.max_batch_size,
@@ -118,7 +122,10 @@ absl::Status Engine::Impl::Init() {
   if (!batcher.ok()) return batcher.status();
   if (absl::Status s = backend_->Init({.num_layers = options_.num_layers,
                                        .num_pages = options_.num_pages,
-                                       .max_batch_size = options_.max_batch_size});
+                                       .max_batch_size = options_.max_batch_size,
+                                       .model = options_.model,
+                                       .k_scales = options_.k_scales,
+                                       .v_scales = options_.v_scales});
       !s.ok()) {
     return s;
   }
@@ -131,7 +138,8 @@ absl::Status Engine::Impl::Init() {
   regions_ = *std::move(regions);
   step_builder_ = *std::move(step_builder);
   batcher_ = *std::move(batcher);
-  admission_ = std::make_unique<Admission>(backend_.get(), batcher_.get(), metrics_);
+  admission_ =
+      std::make_unique<Admission>(options_.model, backend_.get(), batcher_.get(), metrics_);
   executor_ = std::make_unique<Executor>(
       Executor::Options{.idle_spin = options_.idle_spin,
                         .completion_thread = options_.completion_thread},
@@ -154,10 +162,12 @@ absl::Status Engine::Impl::Init() {
 
 ModelConfig Engine::Impl::config() const {
   ModelConfig c;
-  c.num_qo_heads = kernels::kNumQoHeads;
-  c.num_kv_heads = kernels::kNumKvHeads;
-  c.head_dim = kernels::kHeadDim;
-  c.page_size = kernels::kPageSize;
+  c.num_qo_heads = options_.model.num_qo_heads;
+  c.num_kv_heads = options_.model.num_kv_heads;
+  c.head_dim = options_.model.head_dim;
+  c.page_size = options_.model.page_size;
+  c.dtype = options_.model.dtype;
+  c.kv_cache_dtype = options_.model.kv_dtype;
   c.num_layers = options_.num_layers;
   c.num_pages = options_.num_pages;
   c.max_batch_size = options_.max_batch_size;
@@ -262,6 +272,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Options& options,
     return absl::InvalidArgumentError("num_layers * num_pages must be < 2^31");
   }
   if (options.max_batch_size <= 0) return absl::InvalidArgumentError("max_batch_size must be > 0");
+  if (const kernels::KernelStatus s = kernels::ValidateShape(options.model); !s.ok()) {
+    return absl::InvalidArgumentError(s.message);
+  }
   if (options.max_queue_delay < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("max_queue_delay must be >= 0");
   }

@@ -59,6 +59,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "pagedattn/kernels/shape.h"
 #include "server/batch/clock.h"
 #include "server/engine/tensor.h"
 
@@ -73,6 +74,8 @@ struct ModelConfig {
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
   int32_t page_size = 0;
+  kernels::DType dtype = kernels::DType::kBf16;     // q, k/v rows and output
+  kernels::DType kv_cache_dtype = kernels::DType::kBf16;  // the pages
   int32_t num_layers = 0;
   int64_t num_pages = 0;
   int32_t max_batch_size = 0;
@@ -132,6 +135,9 @@ class Engine {
     int32_t num_layers = 1;                               // > 0
     int64_t num_pages = 4096;                             // > 0, per layer
     int32_t max_batch_size = 64;                          // sequences per launch, > 0
+    kernels::Shape model;                                 // a supported shape (ValidateShape)
+    // fp8 pages: each layer's K and V scale ([num_layers] each, or empty for 1.0).
+    std::vector<float> k_scales, v_scales;
     absl::Duration max_queue_delay = absl::Microseconds(200);  // longest wait to fill a batch
     int32_t max_queue_depth = 4096;                       // waiting work items; more: UNAVAILABLE
     // How long the executor (and the completion thread) spin, yielding, for new work before

@@ -12,7 +12,9 @@ namespace k = kernels;
 absl::StatusOr<std::unique_ptr<StepBuilder>> StepBuilder::Create(const Options& options,
                                                                  Metrics* metrics) {
   absl::StatusOr<std::unique_ptr<Planner>> planner =
-      Planner::Create({.num_layers = options.num_layers, .num_pages = options.num_pages});
+      Planner::Create({.num_layers = options.num_layers,
+                       .num_pages = options.num_pages,
+                       .page_size = options.model.page_size});
   if (!planner.ok()) return planner.status();
   return std::unique_ptr<StepBuilder>(new StepBuilder(options, *std::move(planner), metrics));
 }
@@ -48,7 +50,8 @@ void StepBuilder::Build(const Gate& gate, SequenceTable& table, BlockAllocator& 
 }
 
 int64_t StepBuilder::Slot(int32_t layer, absl::Span<const int32_t> pages, int64_t pos) const {
-  return planner_->PoolPage(layer, pages[pos / k::kPageSize]) * k::kPageSize + pos % k::kPageSize;
+  const int64_t page_size = options_.model.page_size;
+  return planner_->PoolPage(layer, pages[pos / page_size]) * page_size + pos % page_size;
 }
 
 absl::Status StepBuilder::AddDecode(SequenceTable& table, BlockAllocator& allocator,
@@ -90,13 +93,13 @@ absl::Status StepBuilder::AddDecode(SequenceTable& table, BlockAllocator& alloca
     if (w.output.is_view()) {
       out_bytes = w.output.mutable_data();
     } else {
-      item->output.output.resize(b * k::kQueryBytes);
+      item->output.output.resize(b * options_.model.query_bytes());
       out_bytes = item->output.output.data();
     }
     if (w.lse.is_view()) {
       lse_bytes = w.lse.mutable_data();
     } else {
-      item->output.lse.resize(b * k::kLseBytes);
+      item->output.lse.resize(b * options_.model.lse_bytes());
       lse_bytes = item->output.lse.data();
     }
   }
@@ -113,7 +116,8 @@ absl::Status StepBuilder::AddDecode(SequenceTable& table, BlockAllocator& alloca
           table.ApplyStep(id, w.layer, 1, &batch->page_copies);
       // Checked above, for all sequences together: failing here would be a bookkeeping bug.
       if (!r.ok()) return absl::InternalError(absl::StrCat("step after check: ", r.status().message()));
-      batch->writes.push_back(TokenWrite{kk + i * k::kTokenElems, vv + i * k::kTokenElems, 1,
+      const int64_t row = i * options_.model.token_elems();
+      batch->writes.push_back(TokenWrite{kk + row, vv + row, 1,
                                          static_cast<int64_t>(batch->write_slots.size())});
       batch->write_slots.push_back(Slot(w.layer, table.Get(id)->pages, r->first_position));
       tokens = r->visible_tokens;
@@ -124,9 +128,9 @@ absl::Status StepBuilder::AddDecode(SequenceTable& table, BlockAllocator& alloca
     if (absl::Status s = planner_->AddSequence(w.layer, view->pages, tokens, &batch->plan); !s.ok()) {
       return absl::InternalError(s.message());
     }
-    batch->q.push_back(q + i * k::kQueryElems);
-    batch->output.push_back(out + i * k::kQueryElems);
-    batch->lse.push_back(lse + i * k::kNumQoHeads);
+    batch->q.push_back(q + i * options_.model.query_elems());
+    batch->output.push_back(out + i * options_.model.query_elems());
+    batch->lse.push_back(lse + i * options_.model.num_qo_heads);
   }
   batch->sm_scale = item->sm_scale;
   return absl::OkStatus();

@@ -41,9 +41,8 @@ struct WorkItem final : BatchItem {
     if (is_decode) {
       if (!decode_done) return;
       if (status.ok() && block) {
-        const int64_t b = static_cast<int64_t>(decode.sequence_ids.size());
-        output.output.assign(block.data() + layout.output, b * kernels::kQueryBytes);
-        output.lse.assign(block.data() + layout.lse, b * kernels::kLseBytes);
+        output.output.assign(block.data() + layout.output, layout.lse - layout.output);
+        output.lse.assign(block.data() + layout.lse, layout.bytes - layout.lse);
       }
       block.Reset();
       if (status.ok()) {

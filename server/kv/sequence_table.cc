@@ -1,22 +1,14 @@
 #include "server/kv/sequence_table.h"
 
 #include "absl/strings/str_cat.h"
-#include "pagedattn/kernels/decode.h"
 
 namespace pagedattn {
-namespace {
-
-constexpr int64_t kPageSize = kernels::kPageSize;
-
-int64_t PagesFor(int64_t tokens) { return (tokens + kPageSize - 1) / kPageSize; }
-
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<SequenceTable>> SequenceTable::Create(const Options& options,
                                                                      BlockAllocator* allocator) {
   if (options.num_layers <= 0) return absl::InvalidArgumentError("num_layers must be > 0");
+  if (options.page_size <= 0) return absl::InvalidArgumentError("page_size must be > 0");
   if (allocator == nullptr) return absl::InvalidArgumentError("allocator is null");
-  return std::unique_ptr<SequenceTable>(new SequenceTable(options.num_layers, allocator));
+  return std::unique_ptr<SequenceTable>(new SequenceTable(options, allocator));
 }
 
 absl::Status SequenceTable::Add(uint64_t id) {
@@ -74,7 +66,7 @@ absl::StatusOr<SequenceTable::View> SequenceTable::Get(uint64_t id) const {
 }
 
 bool SequenceTable::NeedsCopyOnWrite(const Sequence& seq) const {
-  return seq.length % kPageSize != 0 && allocator_->ref_count(seq.pages.back()) > 1;
+  return seq.length % page_size_ != 0 && allocator_->ref_count(seq.pages.back()) > 1;
 }
 
 absl::StatusOr<int64_t> SequenceTable::CheckStep(uint64_t id, int32_t layer,

@@ -23,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "pagedattn/kernels/shape.h"
 #include "server/kv/block_allocator.h"
 #include "server/kv/kv_types.h"
 
@@ -32,6 +33,7 @@ class SequenceTable {
  public:
   struct Options {
     int32_t num_layers = 1;  // > 0
+    int32_t page_size = kernels::Shape{}.page_size;  // tokens per page, > 0
   };
 
   // INVALID_ARGUMENT for bad options or a null allocator (which must outlive the table).
@@ -84,12 +86,14 @@ class SequenceTable {
     int32_t next_layer = 0;
   };
 
-  SequenceTable(int32_t num_layers, BlockAllocator* allocator)
-      : num_layers_(num_layers), allocator_(allocator) {}
+  SequenceTable(const Options& options, BlockAllocator* allocator)
+      : num_layers_(options.num_layers), page_size_(options.page_size), allocator_(allocator) {}
+  int64_t PagesFor(int64_t tokens) const { return (tokens + page_size_ - 1) / page_size_; }
   // Whether the step starting now must copy the last page before writing into it.
   bool NeedsCopyOnWrite(const Sequence& seq) const;
 
   const int32_t num_layers_;
+  const int32_t page_size_;
   BlockAllocator* const allocator_;
   absl::flat_hash_map<uint64_t, Sequence> sequences_;
   int64_t total_tokens_ = 0;

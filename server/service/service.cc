@@ -85,6 +85,8 @@ grpc::ServerUnaryReactor* PagedAttentionService::GetModelConfig(
     response->set_max_batch_size(config_.max_batch_size);
     response->set_backend(config_.backend);
     response->set_max_message_bytes(options_.max_message_bytes);
+    response->set_dtype(kernels::DTypeName(config_.dtype));
+    response->set_kv_cache_dtype(kernels::DTypeName(config_.kv_cache_dtype));
     call->Complete(absl::OkStatus());
   });
 }

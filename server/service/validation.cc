@@ -14,8 +14,6 @@ namespace pagedattn {
 
 namespace {
 
-constexpr int64_t kBf16Bytes = 2;
-
 absl::Status CheckLayer(int32_t layer, const ModelConfig& config) {
   if (layer < 0 || layer >= config.num_layers) {
     return absl::InvalidArgumentError(
@@ -27,7 +25,7 @@ absl::Status CheckLayer(int32_t layer, const ModelConfig& config) {
 absl::Status CheckBytes(const std::string& field, int64_t actual, int64_t expected,
                         const std::string& shape) {
   if (actual != expected) {
-    return absl::InvalidArgumentError(absl::StrCat(field, " has ", actual, " bytes; bf16 ", shape,
+    return absl::InvalidArgumentError(absl::StrCat(field, " has ", actual, " bytes; ", shape,
                                                    " needs ", expected));
   }
   return absl::OkStatus();
@@ -111,8 +109,11 @@ absl::StatusOr<DecodeChecked> CheckDecode(const v1::DecodeRequest& request, cons
 
   DecodeChecked c;
   const std::string b = absl::StrCat(batch);
-  const int64_t q_bytes = batch * config.num_qo_heads * config.head_dim * kBf16Bytes;
-  const std::string q_shape = absl::StrCat("[", b, ", ", config.num_qo_heads, ", ", config.head_dim, "]");
+  const int elem = kernels::DTypeBytes(config.dtype);
+  const char* const type = kernels::DTypeName(config.dtype);
+  const int64_t q_bytes = batch * config.num_qo_heads * config.head_dim * elem;
+  const std::string q_shape =
+      absl::StrCat(type, " [", b, ", ", config.num_qo_heads, ", ", config.head_dim, "]");
   if (absl::Status s = CheckTensor("q", request.q(), request.has_q_ref(), request.q_ref(), q_bytes,
                                    q_shape, regions, &c.q);
       !s.ok()) {
@@ -122,8 +123,9 @@ absl::StatusOr<DecodeChecked> CheckDecode(const v1::DecodeRequest& request, cons
   const bool has_v = !request.v().empty() || request.has_v_ref();
   if (has_k != has_v) return absl::InvalidArgumentError("k and v must both be given or both be empty");
   if (has_k) {
-    const int64_t row = batch * config.num_kv_heads * config.head_dim * kBf16Bytes;
-    const std::string shape = absl::StrCat("[", b, ", ", config.num_kv_heads, ", ", config.head_dim, "]");
+    const int64_t row = batch * config.num_kv_heads * config.head_dim * elem;
+    const std::string shape =
+        absl::StrCat(type, " [", b, ", ", config.num_kv_heads, ", ", config.head_dim, "]");
     if (absl::Status s = CheckTensor("k", request.k(), request.has_k_ref(), request.k_ref(), row,
                                      shape, regions, &c.k);
         !s.ok()) {
@@ -146,7 +148,7 @@ absl::StatusOr<DecodeChecked> CheckDecode(const v1::DecodeRequest& request, cons
   if (request.has_lse_ref()) {
     const int64_t lse_bytes = batch * config.num_qo_heads * int64_t{sizeof(float)};
     if (absl::Status s = CheckTensor("lse", empty, true, request.lse_ref(), lse_bytes,
-                                     absl::StrCat("[", b, ", ", config.num_qo_heads, "] fp32"),
+                                     absl::StrCat("fp32 [", b, ", ", config.num_qo_heads, "]"),
                                      regions, &c.lse);
         !s.ok()) {
       return s;
@@ -192,9 +194,10 @@ absl::StatusOr<AppendChecked> CheckAppend(const v1::AppendKVRequest& request, co
   if (request.num_tokens() < 1) {
     return absl::InvalidArgumentError(absl::StrCat("num_tokens must be >= 1, got ", request.num_tokens()));
   }
-  const int64_t bytes = int64_t{request.num_tokens()} * config.num_kv_heads * config.head_dim * kBf16Bytes;
-  const std::string shape =
-      absl::StrCat("[", request.num_tokens(), ", ", config.num_kv_heads, ", ", config.head_dim, "]");
+  const int64_t bytes = int64_t{request.num_tokens()} * config.num_kv_heads * config.head_dim *
+                        kernels::DTypeBytes(config.dtype);
+  const std::string shape = absl::StrCat(kernels::DTypeName(config.dtype), " [", request.num_tokens(),
+                                         ", ", config.num_kv_heads, ", ", config.head_dim, "]");
   AppendChecked c;
   if (absl::Status s = CheckTensor("k", request.k(), request.has_k_ref(), request.k_ref(), bytes,
                                    shape, regions, &c.k);
