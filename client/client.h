@@ -104,7 +104,8 @@ class Client {
 
   absl::StatusOr<v1::GetModelConfigResponse> GetModelConfig();
   absl::Status CreateSequence(uint64_t sequence_id);
-  // k, v: bf16 [num_tokens, 4, 128] bytes each. Returns the committed length after the call.
+  // k, v: [num_tokens, num_kv_heads, head_dim] bytes each in the server's dtype (GetModelConfig).
+  // Returns the committed length after the call.
   absl::StatusOr<int64_t> AppendKV(uint64_t sequence_id, int32_t layer, int32_t num_tokens,
                                    std::string k, std::string v);
   // The same with a request of the caller's, e.g. with k_ref/v_ref (MakeTensorRef) instead of

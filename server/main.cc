@@ -287,6 +287,11 @@ int Serve() {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // The model shape first: a shape this service does not serve stops it before anything starts.
+  Engine::Options engine_options;
+  engine_options.num_layers = absl::GetFlag(FLAGS_num_layers);
+  if (absl::Status s = ModelFromFlags(&engine_options); !s.ok()) return Fail("model shape", s);
+
   Metrics metrics;
   std::unique_ptr<prometheus::Exposer> exposer;
   int metrics_port = 0;
@@ -303,9 +308,6 @@ int Serve() {
     metrics_port = ports.empty() ? 0 : ports.front();
   }
 
-  Engine::Options engine_options;
-  engine_options.num_layers = absl::GetFlag(FLAGS_num_layers);
-  if (absl::Status s = ModelFromFlags(&engine_options); !s.ok()) return Fail("model shape", s);
   absl::StatusOr<std::unique_ptr<Backend>> backend =
       MakeBackend(absl::GetFlag(FLAGS_backend), absl::GetFlag(FLAGS_cpu_threads));
   if (!backend.ok()) return Fail("backend", backend.status());
