@@ -151,14 +151,17 @@ class UnixServer:
 class ServerCase(unittest.TestCase):
     """A real CPU-backend server of LAYERS layers and PAGES pages (on a Unix socket when the
     test was given --unix) and a connected pagedattn.Client, shared by the class's tests; each
-    test gets its own seeded numpy generator. The package is `cls.pa`."""
+    test gets its own seeded numpy generator. The package is `cls.pa`. SERVER_FLAGS: more
+    server flags (a model shape, say)."""
     LAYERS, PAGES = 2, 32
+    SERVER_FLAGS = ()
 
     @classmethod
     def setUpClass(cls):
         import pagedattn  # pylint: disable=import-outside-toplevel
         cls.pa = pagedattn
-        flags = [f"--num_pages={cls.PAGES}", f"--num_layers={cls.LAYERS}", "--cpu_threads=2"]
+        flags = [f"--num_pages={cls.PAGES}", f"--num_layers={cls.LAYERS}", "--cpu_threads=2",
+                 *cls.SERVER_FLAGS]
         on_unix = getattr(ARGS, "unix", False)
         cls.server = UnixServer(ARGS.server, flags) if on_unix else Server(ARGS.server, flags)
         cls.client = pagedattn.Client(cls.server.target)

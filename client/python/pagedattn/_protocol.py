@@ -33,13 +33,13 @@ def _ref(x, name: str):
     return x.to_message()
 
 
-def _set_tensor(request, name: str, x, shape) -> None:
-    """One input of a request: inline bf16 bytes, or `<name>_ref` for a TensorRef (whose size
-    the server checks)."""
+def _set_tensor(request, name: str, x, shape, dtype: str) -> None:
+    """One input of a request: inline bytes of the server's dtype, or `<name>_ref` for a
+    TensorRef (whose size the server checks)."""
     if _is_ref(x):
         getattr(request, name + "_ref").CopyFrom(x.to_message())
     else:
-        setattr(request, name, tensors.to_wire(x, shape, name))
+        setattr(request, name, tensors.to_wire(x, shape, name, dtype))
 
 
 def append_request(config: ModelConfig, seq, layer, k, v,
@@ -61,8 +61,8 @@ def append_request(config: ModelConfig, seq, layer, k, v,
         else:
             raise invalid_argument("k is missing")
     request = pb.AppendKVRequest(sequence_id=seq, layer=int(layer), num_tokens=int(n))
-    _set_tensor(request, "k", k, config.kv_shape(n))
-    _set_tensor(request, "v", v, config.kv_shape(n))
+    _set_tensor(request, "k", k, config.kv_shape(n), config.dtype)
+    _set_tensor(request, "v", v, config.kv_shape(n), config.dtype)
     return request
 
 
@@ -71,12 +71,12 @@ def decode_request(config: ModelConfig, call: DecodeCall, request_id: int) -> pb
     b = len(ids)
     request = pb.DecodeRequest(request_id=request_id, layer=int(call.layer), sequence_ids=ids,
                                sm_scale=float(call.sm_scale))
-    _set_tensor(request, "q", call.q, config.q_shape(b))
+    _set_tensor(request, "q", call.q, config.q_shape(b), config.dtype)
     if (call.k is None) != (call.v is None):
         raise invalid_argument("k and v go together: give both (a decode step) or neither")
     if call.k is not None:
-        _set_tensor(request, "k", call.k, config.kv_shape(b))
-        _set_tensor(request, "v", call.v, config.kv_shape(b))
+        _set_tensor(request, "k", call.k, config.kv_shape(b), config.dtype)
+        _set_tensor(request, "v", call.v, config.kv_shape(b), config.dtype)
     if call.output is not None:
         request.output_ref.CopyFrom(_ref(call.output, "output"))
     if call.lse is not None:
@@ -93,7 +93,7 @@ def decode_result(config: ModelConfig, request: pb.DecodeRequest, response) -> D
     b = len(request.sequence_ids)
     output = lse = None
     if not request.HasField("output_ref"):
-        output = tensors.output_from_wire(response.output, config.q_shape(b))
+        output = tensors.output_from_wire(response.output, config.q_shape(b), config.dtype)
     if not request.HasField("lse_ref"):
         lse = tensors.lse_from_wire(response.lse, config.lse_shape(b))
     return DecodeResult(request_id=response.request_id, output=output, lse=lse)

@@ -164,15 +164,16 @@ class SystemRegion(_Registration):
         view = np.frombuffer(self._map, dtype=dtype, count=count, offset=offset)
         return view.reshape(shape)
 
-    def put(self, x, ref: Optional[TensorRef] = None) -> TensorRef:
-        """Writes x (a numpy array or torch tensor, converted to bf16 like an inline tensor)
-        at `ref` (default: alloc of its size) and returns the TensorRef."""
+    def put(self, x, ref: Optional[TensorRef] = None, dtype: str = "bf16") -> TensorRef:
+        """Writes x (a numpy array or torch tensor, converted to `dtype`, the server's
+        ModelConfig.dtype, like an inline tensor) at `ref` (default: alloc of its size) and
+        returns the TensorRef."""
         shape = tuple(getattr(x, "shape", ()))
-        bits = tensors.as_bf16_bits(x, shape, "x")
+        bits = tensors.as_bits(x, shape, "x", dtype)
         if ref is None:
             ref = self.alloc(bits.nbytes)
         elif ref.byte_size != bits.nbytes:
-            raise invalid_argument(f"x holds {bits.nbytes} bytes of bf16, the ref "
+            raise invalid_argument(f"x holds {bits.nbytes} bytes of {dtype}, the ref "
                                    f"{ref.byte_size}")
         self.array(ref, np.uint16, shape)[...] = bits
         return ref
@@ -180,6 +181,10 @@ class SystemRegion(_Registration):
     def bf16(self, ref, shape) -> np.ndarray:
         """The bf16 tensor at `ref` as float32 values (a copy), e.g. a decode output."""
         return bf16.from_bits(self.array(ref, np.uint16, shape))
+
+    def values(self, ref, shape, dtype: str = "bf16") -> np.ndarray:
+        """The bf16 or fp16 tensor at `ref` as float32 values (a copy)."""
+        return tensors.from_bits(self.array(ref, np.uint16, shape), dtype)
 
     def float32(self, ref, shape) -> np.ndarray:
         """The float32 tensor at `ref` (a copy), e.g. a decode lse."""

@@ -25,10 +25,17 @@ class ModelConfig:
     max_batch_size: int
     backend: str
     max_message_bytes: int
+    # q, k, v and output on the wire: "bf16" or "fp16"; the pages: that, or "fp8_e4m3".
+    dtype: str = "bf16"
+    kv_cache_dtype: str = "bf16"
 
     @classmethod
     def from_message(cls, message) -> "ModelConfig":
-        return _from_message(cls, message)
+        config = _from_message(cls, message)
+        # A server from before these fields were added sends neither: it is bf16 throughout.
+        if not config.dtype:
+            config = dataclasses.replace(config, dtype="bf16", kv_cache_dtype="bf16")
+        return config
 
     def q_shape(self, batch: int):
         """Decode q and output: [B, num_qo_heads, head_dim]."""
