@@ -25,4 +25,12 @@ std::vector<float> DecodeFloat32(std::string_view bytes);
 // `count` values drawn from N(0, stddev^2), as bf16 bytes.
 std::string RandomNormalBf16(int64_t count, std::mt19937_64& rng, float stddev = 1.0f);
 
+// The same for the element type a server names in GetModelConfig.dtype: "bf16" or "fp16"
+// (IEEE half, round to nearest even). Any other name is taken as bf16 (the only type before
+// the field existed, when a server sends "").
+std::string EncodeValues(std::string_view dtype, absl::Span<const float> values);
+std::vector<float> DecodeValues(std::string_view dtype, std::string_view bytes);
+std::string RandomNormal(std::string_view dtype, int64_t count, std::mt19937_64& rng,
+                         float stddev = 1.0f);
+
 }  // namespace pagedattn::client

@@ -37,11 +37,15 @@ ABSL_FLAG(absl::Duration, timeout, absl::Seconds(60), "Deadline of each call (0:
 ABSL_FLAG(std::string, auth_token_file, "", "File holding the bearer token to send on every call");
 ABSL_FLAG(int32_t, layer, -1, "Layer for append/decode; -1 walks every layer 0..L-1 in order");
 ABSL_FLAG(int32_t, num_tokens, 64, "append: tokens of random K/V (ignored with --k_file/--v_file)");
-ABSL_FLAG(std::string, k_file, "", "append: raw bf16 [num_tokens,4,128] K, used for every layer");
-ABSL_FLAG(std::string, v_file, "", "append: raw bf16 [num_tokens,4,128] V, used for every layer");
+ABSL_FLAG(std::string, k_file, "",
+          "append: raw K [num_tokens, num_kv_heads, head_dim] in the server's dtype, for every layer");
+ABSL_FLAG(std::string, v_file, "",
+          "append: raw V [num_tokens, num_kv_heads, head_dim] in the server's dtype, for every layer");
 ABSL_FLAG(bool, with_kv, false, "decode: append one random new token per sequence (a decode step)");
-ABSL_FLAG(std::string, q_file, "", "decode: raw bf16 [B,24,128] queries (default: random normal)");
-ABSL_FLAG(std::string, output_file, "", "decode: write the last layer's raw bf16 output here");
+ABSL_FLAG(std::string, q_file, "",
+          "decode: raw queries [B, num_qo_heads, head_dim] in the server's dtype (default: random "
+          "normal)");
+ABSL_FLAG(std::string, output_file, "", "decode: write the last layer's raw output here");
 ABSL_FLAG(float, sm_scale, 0.0f, "decode: softmax scale (0: 1/sqrt(128))");
 ABSL_FLAG(uint64_t, request_id, 1, "decode: request id (echoed by the server)");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the random normal data");
@@ -52,8 +56,6 @@ namespace {
 using pagedattn::client::Client;
 namespace v1 = pagedattn::v1;
 
-constexpr int64_t kKvRowElems = 4 * 128;
-constexpr int64_t kQueryElems = 24 * 128;
 
 int Fail(const absl::Status& status) {
   std::cerr << "error: " << status << "\n";
@@ -99,6 +101,10 @@ absl::StatusOr<std::vector<int32_t>> Layers(Client& client) {
 }
 
 int Append(Client& client, uint64_t id, std::mt19937_64& rng) {
+  absl::StatusOr<v1::GetModelConfigResponse> config = client.GetModelConfig();
+  if (!config.ok()) return Fail(config.status());
+  const int64_t row_elems = int64_t{config->num_kv_heads()} * config->head_dim();
+  const std::string& dtype = config->dtype();
   std::string k, v;
   int32_t num_tokens = absl::GetFlag(FLAGS_num_tokens);
   const bool from_files = !absl::GetFlag(FLAGS_k_file).empty() || !absl::GetFlag(FLAGS_v_file).empty();
@@ -109,15 +115,15 @@ int Append(Client& client, uint64_t id, std::mt19937_64& rng) {
     if (!vf.ok()) return Fail(vf.status());
     k = *std::move(kf);
     v = *std::move(vf);
-    num_tokens = static_cast<int32_t>(k.size() / (kKvRowElems * 2));
+    num_tokens = static_cast<int32_t>(k.size() / (row_elems * 2));
   }
   absl::StatusOr<std::vector<int32_t>> layers = Layers(client);
   if (!layers.ok()) return Fail(layers.status());
   int64_t length = 0;
   for (int32_t layer : *layers) {
     if (!from_files) {
-      k = pagedattn::client::RandomNormalBf16(num_tokens * kKvRowElems, rng);
-      v = pagedattn::client::RandomNormalBf16(num_tokens * kKvRowElems, rng);
+      k = pagedattn::client::RandomNormal(dtype, num_tokens * row_elems, rng);
+      v = pagedattn::client::RandomNormal(dtype, num_tokens * row_elems, rng);
     }
     absl::StatusOr<int64_t> result = client.AppendKV(id, layer, num_tokens, k, v);
     if (!result.ok()) return Fail(result.status());
@@ -145,26 +151,34 @@ int Decode(Client& client, const std::string& ids_text, std::mt19937_64& rng) {
     if (!qf.ok()) return Fail(qf.status());
     q = *std::move(qf);
   }
+  absl::StatusOr<v1::GetModelConfigResponse> config = client.GetModelConfig();
+  if (!config.ok()) return Fail(config.status());
+  const int64_t query_elems = int64_t{config->num_qo_heads()} * config->head_dim();
+  const int64_t row_elems = int64_t{config->num_kv_heads()} * config->head_dim();
+  const std::string& dtype = config->dtype();
   absl::StatusOr<std::vector<int32_t>> layers = Layers(client);
   if (!layers.ok()) return Fail(layers.status());
   v1::DecodeResponse response;
   for (int32_t layer : *layers) {
     request.set_layer(layer);
-    request.set_q(q.empty() ? pagedattn::client::RandomNormalBf16(batch * kQueryElems, rng) : q);
+    request.set_q(q.empty() ? pagedattn::client::RandomNormal(dtype, batch * query_elems, rng) : q);
     if (absl::GetFlag(FLAGS_with_kv)) {
-      request.set_k(pagedattn::client::RandomNormalBf16(batch * kKvRowElems, rng));
-      request.set_v(pagedattn::client::RandomNormalBf16(batch * kKvRowElems, rng));
+      request.set_k(pagedattn::client::RandomNormal(dtype, batch * row_elems, rng));
+      request.set_v(pagedattn::client::RandomNormal(dtype, batch * row_elems, rng));
     }
     absl::StatusOr<v1::DecodeResponse> result = client.Decode(request);
     if (!result.ok()) return Fail(result.status());
     response = *std::move(result);
-    const std::vector<float> out = pagedattn::client::DecodeBf16(response.output());
+    const std::vector<float> out = pagedattn::client::DecodeValues(dtype, response.output());
     const std::vector<float> lse = pagedattn::client::DecodeFloat32(response.lse());
     for (int64_t b = 0; b < batch; ++b) {
       double norm = 0.0;
-      for (int64_t i = 0; i < kQueryElems; ++i) norm += double{out[b * kQueryElems + i]} * out[b * kQueryElems + i];
+      for (int64_t i = 0; i < query_elems; ++i) {
+        norm += double{out[b * query_elems + i]} * out[b * query_elems + i];
+      }
       std::cout << "request " << response.request_id() << " layer " << layer << " sequence "
-                << request.sequence_ids(static_cast<int>(b)) << ": lse[head 0] " << lse[b * 24]
+                << request.sequence_ids(static_cast<int>(b)) << ": lse[head 0] "
+                << lse[b * config->num_qo_heads()]
                 << ", |output| " << std::sqrt(norm) << "\n";
     }
   }

@@ -106,7 +106,7 @@ TEST_F(CudaIpcEngineTest, DecodeStepsWithTensorsInDeviceMemoryGiveTheInlineBytes
   for (int p = 0; p < 2; ++p) {
     CreateTwins({sets[0][p], sets[1][p], sets[2][p], sets[3][p]}, 100 + 50 * p);
   }
-  const DecodeBlockLayout l = DecodeBlockLayout::For(2, true);
+  const DecodeBlockLayout l = DecodeBlockLayout::For(k::Shape{}, 2, true);
   const std::string q = ToBytes(RandomBf16(2 * k::kQueryElems, rng_));
   const std::string kk = ToBytes(RandomBf16(2 * k::kTokenElems, rng_));
   const std::string vv = ToBytes(RandomBf16(2 * k::kTokenElems, rng_));

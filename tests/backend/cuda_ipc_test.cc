@@ -133,7 +133,7 @@ class CudaIpcTest : public ::testing::Test {
     int32_t count[4] = {};
     std::vector<int32_t> index(kSeqs);
     for (int32_t s = 0; s < kSeqs; ++s) index[s] = count[static_cast<int>(where[s])]++;
-    const auto layout = [&](Where w) { return DecodeBlockLayout::For(count[static_cast<int>(w)], true); };
+    const auto layout = [&](Where w) { return DecodeBlockLayout::For(k::Shape{}, count[static_cast<int>(w)], true); };
     std::vector<char> pageable(layout(Where::kPageable).bytes);
     HostBlock ring_block;
     if (count[static_cast<int>(Where::kRing)] > 0) {
@@ -347,7 +347,7 @@ TEST_F(CudaIpcTest, PinningPinnedMemoryAgainIsFailedPrecondition) {
 // as the test's properties (peer_exit_batch, peer_exit_after). It is the binary's last test
 // (see CMakeLists.txt): a failed context would fail every test after it in the process.
 TEST_F(CudaIpcTest, APeerThatExitsWhileRegisteredNeitherHangsNorCrashesTheBackend) {
-  const DecodeBlockLayout l = DecodeBlockLayout::For(1, true);
+  const DecodeBlockLayout l = DecodeBlockLayout::For(k::Shape{}, 1, true);
   const PeerProcess::Region region = peer_->Alloc(kDevice, l.bytes);
   ASSERT_FALSE(region.handle.empty());
   ASSERT_TRUE(peer_->Write(region.index, l.q, q_.data(), k::kQueryBytes));

@@ -1,12 +1,16 @@
 """pagedattn-cli against the real server: every subcommand, K/V from files, the output file,
-JSON of config and stats, memory regions (register, list, unregister), and the exit status of a failing call (1) and of bad usage (2).
+JSON of config and stats, memory regions (register, list, unregister), and the exit status of a
+failing call (1) and of bad usage (2); then a server of another model shape (fp16 tensors, fp8
+pages), whose sizes and element type the CLI takes from its config.
 
 usage: /usr/bin/python3 cli_test.py --server=BIN --cli=BIN
 """
 
 import argparse
 import json
+import math
 import os
+import struct
 import subprocess
 import sys
 import tempfile
@@ -100,6 +104,30 @@ def main():
 
         run(["bogus"], code=2)
         run(["fork", "1"], code=2)
+
+    # Another model shape in fp16: every size and the element type come from the config.
+    shape = ["--num_qo_heads=8", "--num_kv_heads=2", "--head_dim=64", "--page_size=16",
+             "--dtype=fp16", "--kv_cache_dtype=fp8_e4m3"]
+    with t.Server(args.server, ["--num_pages=16", "--num_layers=2", "--cpu_threads=2", *shape]) \
+            as server, tempfile.TemporaryDirectory() as work:
+        base = [args.cli, f"--target={server.target}", "--timeout=20s"]
+
+        def run_other(words):
+            r = subprocess.run(base + words, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, (words, r.returncode, r.stdout, r.stderr)
+            return r.stdout
+
+        config = json.loads(run_other(["config"]))
+        assert (config["num_qo_heads"], config["head_dim"], config["page_size"]) == (8, 64, 16)
+        assert (config["dtype"], config["kv_cache_dtype"]) == ("fp16", "fp8_e4m3"), config
+        run_other(["create", "1"])
+        assert "length 20" in run_other(["append", "1", "--num_tokens=20"])
+        outfile = os.path.join(work, "out.bin")
+        run_other(["decode", "1", "--with_kv", f"--output_file={outfile}"])
+        data = open(outfile, "rb").read()
+        assert len(data) == 8 * 64 * 2, len(data)
+        values = struct.unpack(f"<{8 * 64}e", data)
+        assert all(math.isfinite(v) for v in values) and any(v != 0.0 for v in values), values[:8]
     print("PASS")
 
 
