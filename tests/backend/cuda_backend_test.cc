@@ -463,6 +463,19 @@ TEST(CudaBackendCreateTest, RejectsBadOptionsAndShapes) {
   ASSERT_TRUE(backend.ok());
   EXPECT_EQ((*backend)->Init({.num_layers = 0, .num_pages = 8, .max_batch_size = 4}).code(),
             absl::StatusCode::kInvalidArgument);
+  // A supported shape other than the kernel's: refused, naming both; an unsupported one is
+  // INVALID_ARGUMENT like any bad shape. The backend can still take the default after.
+  kernels::Shape fp8 = {32, 8, 128, 16, kernels::DType::kBf16, kernels::DType::kFp8E4m3};
+  const absl::Status other =
+      (*backend)->Init({.num_layers = 1, .num_pages = 8, .max_batch_size = 4, .model = fp8});
+  EXPECT_EQ(other.code(), absl::StatusCode::kFailedPrecondition) << other;
+  EXPECT_NE(other.message().find("24/4/128, pages of 64"), std::string::npos) << other;
+  kernels::Shape bad;
+  bad.head_dim = 96;
+  EXPECT_EQ((*backend)->Init({.num_layers = 1, .num_pages = 8, .max_batch_size = 4, .model = bad})
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE((*backend)->Init({.num_layers = 1, .num_pages = 8, .max_batch_size = 4}).ok());
 }
 
 TEST(CudaBackendCreateTest, TooLargeAPoolIsResourceExhausted) {
