@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -25,11 +26,13 @@ struct Gauges {
   std::atomic<int64_t> mapped_bytes{0};
 };
 
-// Signalled once the region it belongs to is unmapped.
+// Signalled once the region it belongs to is unmapped: the condition, and the callbacks of
+// UnregisterThen (run once, after the unmap, outside the lock).
 struct Unmapped {
   std::mutex mu;
   std::condition_variable cv;
   bool done ABSL_GUARDED_BY(mu) = false;
+  std::vector<std::function<void()>> then ABSL_GUARDED_BY(mu);
 };
 
 struct Region {
@@ -47,9 +50,14 @@ struct Region {
     }
     gauges->mapped_regions.fetch_sub(1);
     gauges->mapped_bytes.fetch_sub(static_cast<int64_t>(byte_size));
-    std::lock_guard<std::mutex> lock(unmapped->mu);
-    unmapped->done = true;
-    unmapped->cv.notify_all();
+    std::vector<std::function<void()>> then;
+    {
+      std::lock_guard<std::mutex> lock(unmapped->mu);
+      unmapped->done = true;
+      then.swap(unmapped->then);
+      unmapped->cv.notify_all();
+    }
+    for (const std::function<void()>& f : then) f();
   }
 
   std::string name;
@@ -310,7 +318,8 @@ absl::Status MemoryRegistry::RegisterCuda(absl::string_view name, absl::string_v
   return absl::OkStatus();
 }
 
-absl::Status MemoryRegistry::Unregister(absl::string_view name, absl::Time deadline) {
+absl::StatusOr<std::shared_ptr<memory_internal::Unmapped>> MemoryRegistry::Unlist(
+    absl::string_view name) {
   std::shared_ptr<Region> region;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -324,6 +333,23 @@ absl::Status MemoryRegistry::Unregister(absl::string_view name, absl::Time deadl
   }
   std::shared_ptr<memory_internal::Unmapped> unmapped = region->unmapped;
   region.reset();  // unmaps here unless work still holds a lease
+  return unmapped;
+}
+
+absl::StatusOr<bool> MemoryRegistry::UnregisterThen(absl::string_view name,
+                                                    std::function<void()> then) {
+  absl::StatusOr<std::shared_ptr<memory_internal::Unmapped>> unmapped = Unlist(name);
+  if (!unmapped.ok()) return unmapped.status();
+  std::lock_guard<std::mutex> lock((*unmapped)->mu);
+  if ((*unmapped)->done) return true;
+  (*unmapped)->then.push_back(std::move(then));
+  return false;
+}
+
+absl::Status MemoryRegistry::Unregister(absl::string_view name, absl::Time deadline) {
+  absl::StatusOr<std::shared_ptr<memory_internal::Unmapped>> unlisted = Unlist(name);
+  if (!unlisted.ok()) return unlisted.status();
+  const std::shared_ptr<memory_internal::Unmapped>& unmapped = *unlisted;
   std::unique_lock<std::mutex> lock(unmapped->mu);
   auto done = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return unmapped->done; };
   if (deadline == absl::InfiniteFuture()) {

@@ -20,6 +20,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -40,6 +41,7 @@ namespace pagedattn {
 
 namespace memory_internal {
 struct Region;
+struct Unmapped;
 struct Gauges;
 }  // namespace memory_internal
 
@@ -146,6 +148,11 @@ class MemoryRegistry {
   // `deadline` passes. OK: unmapped. NOT_FOUND: not listed. DEADLINE_EXCEEDED: still leased
   // at the deadline; it stays unlisted and unmaps when its last lease ends.
   absl::Status Unregister(absl::string_view name, absl::Time deadline);
+  // The same without blocking: unlists `name` and returns true when the region is unmapped
+  // already; else false, and `then` runs once it is, on the thread that drops its last lease
+  // (a backend's or the engine's: `then` must be short and must not call into the registry).
+  // NOT_FOUND (then never runs) when not listed.
+  absl::StatusOr<bool> UnregisterThen(absl::string_view name, std::function<void()> then);
 
   // The listed regions, sorted by name.
   std::vector<MemoryRegionInfo> List() const;
@@ -165,6 +172,8 @@ class MemoryRegistry {
   absl::Status Reserve(const std::string& name);
   void CancelReservation(const std::string& name);
   void Commit(std::shared_ptr<memory_internal::Region> region);
+  // Unlists `name` (dropping the registry's reference); what signals its unmap.
+  absl::StatusOr<std::shared_ptr<memory_internal::Unmapped>> Unlist(absl::string_view name);
 
   const Options options_;
   const std::shared_ptr<memory_internal::Gauges> gauges_;  // shared with regions

@@ -1,10 +1,16 @@
 #include "server/service/service.h"
 
 #include <algorithm>
+#include <memory>
+#include <mutex>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "grpcpp/alarm.h"
 #include "server/memory/memory_registry.h"
 #include "server/metrics/metrics.h"
 #include "server/service/decode_stream_reactor.h"
@@ -207,12 +213,61 @@ grpc::ServerUnaryReactor* PagedAttentionService::RegisterCudaMemory(
   });
 }
 
+namespace {
+
+// An UnregisterMemory whose region is still used by work: answered by whichever comes first,
+// the unmap (run by the thread that drops the region's last lease) or the deadline alarm. No
+// thread waits meanwhile. The unmap's callback holds the only strong reference; the alarm's
+// holds a weak one, so nothing outlives the region's work (the alarm is cancelled with it).
+class UnregisterWait {
+ public:
+  explicit UnregisterWait(UnaryCall* call) : call_(call) {}
+
+  // Answers the call once; later calls do nothing.
+  void Finish(const absl::Status& status) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finished_) return;
+      finished_ = true;
+    }
+    call_->Complete(status);
+  }
+
+  void Arm(absl::Time deadline, const std::string& name,
+           const std::shared_ptr<UnregisterWait>& self) {
+    alarm_.Set(absl::ToChronoTime(deadline), [weak = std::weak_ptr<UnregisterWait>(self),
+                                              name](bool fired) {
+      std::shared_ptr<UnregisterWait> wait = weak.lock();
+      if (fired && wait != nullptr) {
+        wait->Finish(absl::DeadlineExceededError(absl::StrCat(
+            "memory region \"", name,
+            "\" is unlisted but still used by work; it is unmapped when that work ends")));
+      }
+    });
+  }
+
+ private:
+  UnaryCall* const call_;
+  grpc::Alarm alarm_;  // cancelled when this goes away
+  std::mutex mu_;
+  bool finished_ = false;
+};
+
+}  // namespace
+
 grpc::ServerUnaryReactor* PagedAttentionService::UnregisterMemory(
     grpc::CallbackServerContext* context, const v1::UnregisterMemoryRequest* request,
     v1::UnregisterMemoryResponse* /*response*/) {
   return Unary(context, "UnregisterMemory", [&](UnaryCall* call) {
     const absl::Time deadline = std::min(call->deadline(), absl::Now() + kMaxUnregisterWait);
-    call->Complete(engine_->regions()->Unregister(request->name(), deadline));
+    auto wait = std::make_shared<UnregisterWait>(call);
+    absl::StatusOr<bool> unmapped = engine_->regions()->UnregisterThen(
+        request->name(), [wait] { wait->Finish(absl::OkStatus()); });
+    if (!unmapped.ok() || *unmapped) {
+      call->Complete(unmapped.status());
+      return;
+    }
+    wait->Arm(deadline, request->name(), wait);
   });
 }
 

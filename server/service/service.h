@@ -68,7 +68,8 @@ class PagedAttentionService final : public v1::PagedAttention::CallbackService {
   grpc::ServerUnaryReactor* RegisterCudaMemory(grpc::CallbackServerContext* context,
                                                const v1::RegisterCudaMemoryRequest* request,
                                                v1::RegisterCudaMemoryResponse* response) override;
-  // Waits for the region's work until the call's deadline, and at most kMaxUnregisterWait.
+  // Answers once the region's work has ended (it is unmapped), or DEADLINE_EXCEEDED at the
+  // call's deadline, at most kMaxUnregisterWait; no thread waits meanwhile.
   grpc::ServerUnaryReactor* UnregisterMemory(grpc::CallbackServerContext* context,
                                              const v1::UnregisterMemoryRequest* request,
                                              v1::UnregisterMemoryResponse* response) override;

@@ -72,6 +72,40 @@ TEST(MemoryRegistryTest, UnregisterWaitsForWorkHoldingALease) {
   EXPECT_EQ(registry->stats().mapped_regions, 0);
 }
 
+TEST(MemoryRegistryTest, UnregisterThenRunsOnceTheLastLeaseDropsAndNeverBlocks) {
+  ShmObject shm(4096);
+  auto registry = NewRegistry();
+  int runs = 0;
+  EXPECT_EQ(registry->UnregisterThen("r", [&] { ++runs; }).status().code(),
+            absl::StatusCode::kNotFound);
+  // Without work: unmapped at once, and `then` is not kept.
+  ASSERT_TRUE(registry->RegisterSystem("r", shm.key(), 0, 4096).ok());
+  absl::StatusOr<bool> at_once = registry->UnregisterThen("r", [&] { ++runs; });
+  ASSERT_TRUE(at_once.ok());
+  EXPECT_TRUE(*at_once);
+  EXPECT_EQ(registry->stats().mapped_regions, 0);
+  // With a lease: unlisted at once, `then` runs (once) when the lease ends, on that thread.
+  ASSERT_TRUE(registry->RegisterSystem("r", shm.key(), 0, 4096).ok());
+  absl::StatusOr<ResolvedTensor> t = registry->Resolve("r", 0, 64, 64);
+  ASSERT_TRUE(t.ok());
+  std::thread::id ran_on;
+  absl::StatusOr<bool> later = registry->UnregisterThen("r", [&] {
+    ++runs;
+    ran_on = std::this_thread::get_id();
+  });
+  ASSERT_TRUE(later.ok());
+  EXPECT_FALSE(*later);
+  EXPECT_EQ(runs, 0);
+  EXPECT_TRUE(registry->List().empty());
+  EXPECT_EQ(registry->stats().mapped_regions, 1);
+  std::thread work([&] { t->lease.Release(); });
+  const std::thread::id work_id = work.get_id();
+  work.join();
+  EXPECT_EQ(runs, 1);
+  EXPECT_EQ(ran_on, work_id);
+  EXPECT_EQ(registry->stats().mapped_regions, 0);
+}
+
 TEST(MemoryRegistryTest, UnregisterPastItsDeadlineLeavesTheRegionMappedForItsWork) {
   ShmObject shm(4096);
   auto registry = NewRegistry();
