@@ -116,6 +116,17 @@ class Client {
   absl::Status ForkSequence(uint64_t parent_id, uint64_t child_id);
   absl::Status ReleaseSequence(uint64_t sequence_id);
   absl::StatusOr<v1::GetStatsResponse> GetStats();
+  // KV beyond one pool. ExportSequence: every chunk of the sequence (layer by layer, at most
+  // one page of tokens each), in order. ImportSequence: streams `chunks` (e.g. another
+  // server's export; sequence_id and length are set on the first from `sequence_id` and the
+  // chunks' own length) and returns the committed length. Both use the options' timeout for
+  // the whole stream.
+  absl::StatusOr<std::vector<v1::ExportSequenceChunk>> ExportSequence(uint64_t sequence_id);
+  absl::StatusOr<int64_t> ImportSequence(uint64_t sequence_id,
+                                         const std::vector<v1::ExportSequenceChunk>& chunks);
+  // The raw stream, for callers that build chunks themselves (tests of bad streams).
+  absl::StatusOr<int64_t> ImportChunks(const std::vector<v1::ImportSequenceChunk>& chunks);
+  absl::Status OffloadSequence(uint64_t sequence_id);
 
   // Tensors by reference: regions of this host's memory the server maps (see the proto).
   // key: a shared-memory object name (SharedMemoryRegion::key()); [offset, offset + byte_size)

@@ -1,5 +1,8 @@
 #include "server/kv/sequence_table.h"
 
+#include <algorithm>
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "pagedattn/kernels/decode.h"
 
@@ -13,10 +16,36 @@ int64_t PagesFor(int64_t tokens) { return (tokens + kPageSize - 1) / kPageSize; 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<SequenceTable>> SequenceTable::Create(const Options& options,
-                                                                     BlockAllocator* allocator) {
+                                                                     BlockAllocator* allocator,
+                                                                     BlockAllocator* host_allocator) {
   if (options.num_layers <= 0) return absl::InvalidArgumentError("num_layers must be > 0");
   if (allocator == nullptr) return absl::InvalidArgumentError("allocator is null");
-  return std::unique_ptr<SequenceTable>(new SequenceTable(options.num_layers, allocator));
+  return std::unique_ptr<SequenceTable>(
+      new SequenceTable(options.num_layers, allocator, host_allocator));
+}
+
+bool SequenceTable::IsOffloaded(uint64_t id) const {
+  auto it = sequences_.find(id);
+  return it != sequences_.end() && it->second.offloaded;
+}
+
+absl::Status SequenceTable::UnrefPage(int32_t page, bool host) {
+  BlockAllocator* tier = host ? host_allocator_ : allocator_;
+  absl::StatusOr<bool> freed = tier->Unref(page);
+  if (!freed.ok()) return freed.status();
+  if (*freed) {
+    auto& from = host ? host_to_device_ : device_to_host_;
+    auto& to = host ? device_to_host_ : host_to_device_;
+    if (auto link = from.find(page); link != from.end()) {
+      to.erase(link->second);
+      from.erase(link);
+    }
+  }
+  return absl::OkStatus();
+}
+
+void SequenceTable::Touch(uint64_t id) {
+  if (auto it = sequences_.find(id); it != sequences_.end()) it->second.last_used = ++use_clock_;
 }
 
 absl::Status SequenceTable::Add(uint64_t id) {
@@ -40,16 +69,19 @@ absl::Status SequenceTable::Fork(uint64_t parent, uint64_t child) {
                      "): fork between steps"));
   }
   // Check every page first so that a failure (which would be a bookkeeping bug) changes nothing.
+  BlockAllocator* tier = TierOf(it->second);
   for (int32_t page : it->second.pages) {
-    if (allocator_->ref_count(page) <= 0) {
+    if (tier->ref_count(page) <= 0) {
       return absl::InternalError(absl::StrCat("sequence ", parent, " holds free page ", page));
     }
   }
   Sequence copy = it->second;  // `it` may be invalidated by the insertion below
   for (int32_t page : copy.pages) {
-    if (absl::Status s = allocator_->AddRef(page); !s.ok()) return s;
+    if (absl::Status s = tier->AddRef(page); !s.ok()) return s;
   }
+  copy.last_used = ++use_clock_;
   total_tokens_ += copy.length;
+  if (copy.offloaded) ++num_offloaded_;
   sequences_.emplace(child, std::move(copy));
   return absl::OkStatus();
 }
@@ -59,9 +91,10 @@ absl::Status SequenceTable::Remove(uint64_t id) {
   if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
   absl::Status result;
   for (int32_t page : it->second.pages) {
-    if (absl::StatusOr<bool> freed = allocator_->Unref(page); !freed.ok()) result = freed.status();
+    if (absl::Status s = UnrefPage(page, it->second.offloaded); !s.ok()) result = s;
   }
   total_tokens_ -= it->second.length;
+  if (it->second.offloaded) --num_offloaded_;
   sequences_.erase(it);
   return result;
 }
@@ -70,7 +103,7 @@ absl::StatusOr<SequenceTable::View> SequenceTable::Get(uint64_t id) const {
   auto it = sequences_.find(id);
   if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
   const Sequence& seq = it->second;
-  return View{seq.pages, seq.length, seq.step_tokens, seq.next_layer};
+  return View{seq.pages, seq.length, seq.step_tokens, seq.next_layer, seq.offloaded};
 }
 
 bool SequenceTable::NeedsCopyOnWrite(const Sequence& seq) const {
@@ -88,6 +121,10 @@ absl::StatusOr<int64_t> SequenceTable::CheckStep(uint64_t id, int32_t layer,
   if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
   const Sequence& seq = it->second;
   if (layer == 0) {
+    if (seq.offloaded) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence ", id, " is offloaded: restore it before a step"));
+    }
     if (seq.step_tokens != 0) {
       return absl::FailedPreconditionError(
           absl::StrCat("sequence ", id, ": a step is in progress, expected layer ", seq.next_layer));
@@ -122,6 +159,7 @@ absl::StatusOr<SequenceTable::StepResult> SequenceTable::ApplyStep(uint64_t id, 
                                                      " free"));
   }
   Sequence& seq = sequences_.find(id)->second;
+  seq.last_used = ++use_clock_;
   if (layer == 0) {
     const bool cow = NeedsCopyOnWrite(seq);
     std::vector<int32_t> fresh;
@@ -135,6 +173,13 @@ absl::StatusOr<SequenceTable::StepResult> SequenceTable::ApplyStep(uint64_t id, 
       // The page was shared (count > 1), so this only drops our reference.
       (void)allocator_->Unref(shared);
       seq.pages.back() = copy;
+    }
+    if (!cow && seq.length % kPageSize != 0) {
+      // The step writes into this page past its tokens: a host copy of it no longer matches.
+      if (auto link = device_to_host_.find(seq.pages.back()); link != device_to_host_.end()) {
+        host_to_device_.erase(link->second);
+        device_to_host_.erase(link);
+      }
     }
     seq.pages.insert(seq.pages.end(), fresh.begin() + next, fresh.end());
     seq.step_tokens = num_tokens;
@@ -152,6 +197,161 @@ absl::StatusOr<SequenceTable::StepResult> SequenceTable::ApplyStep(uint64_t id, 
   }
   result.length = seq.length;
   return result;
+}
+
+absl::Status SequenceTable::Import(uint64_t id, int64_t length, std::vector<int32_t>* pages) {
+  if (sequences_.contains(id)) {
+    return absl::AlreadyExistsError(absl::StrCat("sequence ", id, " already exists"));
+  }
+  const int64_t needed = PagesFor(length);
+  if (needed > allocator_->num_free()) {
+    return absl::ResourceExhaustedError(absl::StrCat("import of ", length, " tokens needs ", needed,
+                                                     " free KV pages, ", allocator_->num_free(),
+                                                     " free"));
+  }
+  Sequence seq;
+  if (absl::Status s = allocator_->Allocate(needed, &seq.pages); !s.ok()) return s;
+  seq.length = length;
+  seq.last_used = ++use_clock_;
+  pages->insert(pages->end(), seq.pages.begin(), seq.pages.end());
+  total_tokens_ += length;
+  sequences_.emplace(id, std::move(seq));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> SequenceTable::OffloadCost(uint64_t id) const {
+  if (host_allocator_ == nullptr) return absl::FailedPreconditionError("the server has no host tier");
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
+  const Sequence& seq = it->second;
+  if (seq.offloaded) return 0;
+  if (seq.step_tokens != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", id, " is mid-step (next layer ", seq.next_layer, ")"));
+  }
+  int64_t cost = 0;
+  for (int32_t page : seq.pages) cost += device_to_host_.contains(page) ? 0 : 1;
+  return cost;
+}
+
+absl::Status SequenceTable::Offload(uint64_t id, std::vector<PageMove>* moves) {
+  absl::StatusOr<int64_t> cost = OffloadCost(id);
+  if (!cost.ok()) return cost.status();
+  Sequence& seq = sequences_.find(id)->second;
+  if (seq.offloaded) return absl::OkStatus();
+  if (*cost > host_allocator_->num_free()) {
+    return absl::ResourceExhaustedError(absl::StrCat("offload of sequence ", id, " needs ", *cost,
+                                                     " free host pages, ",
+                                                     host_allocator_->num_free(), " free"));
+  }
+  std::vector<int32_t> fresh;
+  fresh.reserve(*cost);
+  if (absl::Status s = host_allocator_->Allocate(*cost, &fresh); !s.ok()) return s;
+  size_t next = 0;
+  for (int32_t& page : seq.pages) {
+    const int32_t device = page;
+    if (auto link = device_to_host_.find(device); link != device_to_host_.end()) {
+      page = link->second;
+      (void)host_allocator_->AddRef(page);
+    } else {
+      page = fresh[next++];
+      moves->push_back(PageMove{device, page});
+      // Others still hold the device page: later offloads of theirs share this copy.
+      if (allocator_->ref_count(device) > 1) {
+        device_to_host_[device] = page;
+        host_to_device_[page] = device;
+      }
+    }
+    (void)UnrefPage(device, /*host=*/false);
+  }
+  seq.offloaded = true;
+  ++num_offloaded_;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> SequenceTable::RestoreCost(uint64_t id) const {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
+  if (!it->second.offloaded) return 0;
+  int64_t cost = 0;
+  for (int32_t page : it->second.pages) cost += host_to_device_.contains(page) ? 0 : 1;
+  return cost;
+}
+
+absl::Status SequenceTable::Restore(uint64_t id, std::vector<PageMove>* moves) {
+  absl::StatusOr<int64_t> cost = RestoreCost(id);
+  if (!cost.ok()) return cost.status();
+  Sequence& seq = sequences_.find(id)->second;
+  if (!seq.offloaded) return absl::OkStatus();
+  if (*cost > allocator_->num_free()) {
+    return absl::ResourceExhaustedError(absl::StrCat("restore of sequence ", id, " needs ", *cost,
+                                                     " free KV pages, ", allocator_->num_free(),
+                                                     " free"));
+  }
+  std::vector<int32_t> fresh;
+  fresh.reserve(*cost);
+  if (absl::Status s = allocator_->Allocate(*cost, &fresh); !s.ok()) return s;
+  size_t next = 0;
+  for (int32_t& page : seq.pages) {
+    const int32_t host = page;
+    if (auto link = host_to_device_.find(host); link != host_to_device_.end()) {
+      page = link->second;
+      (void)allocator_->AddRef(page);
+    } else {
+      page = fresh[next++];
+      moves->push_back(PageMove{page, host});
+      // Other offloaded sequences still hold the host page: their restores share this copy.
+      if (host_allocator_->ref_count(host) > 1) {
+        host_to_device_[host] = page;
+        device_to_host_[page] = host;
+      }
+    }
+    (void)UnrefPage(host, /*host=*/true);
+  }
+  seq.offloaded = false;
+  seq.last_used = ++use_clock_;
+  --num_offloaded_;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<uint64_t>> SequenceTable::PlanOffload(
+    int64_t device_pages, const absl::flat_hash_set<uint64_t>& exclude) const {
+  if (host_allocator_ == nullptr) return absl::FailedPreconditionError("the server has no host tier");
+  std::vector<std::pair<uint64_t, uint64_t>> candidates;  // (last_used, id)
+  for (const auto& [id, seq] : sequences_) {
+    if (!seq.offloaded && seq.step_tokens == 0 && !seq.pages.empty() && !exclude.contains(id)) {
+      candidates.emplace_back(seq.last_used, id);
+    }
+  }
+  std::sort(candidates.begin(), candidates.end());
+  // Simulates the offloads in order: a device page is freed once every holder went, a host
+  // page is taken once per device page without a link.
+  absl::flat_hash_map<int32_t, int32_t> dropped;  // device page -> references dropped
+  absl::flat_hash_set<int32_t> copied;            // device pages given a host copy
+  int64_t freed = 0;
+  int64_t host_taken = 0;
+  std::vector<uint64_t> plan;
+  for (const auto& [used, id] : candidates) {
+    if (freed >= device_pages) break;
+    const Sequence& seq = sequences_.find(id)->second;
+    int64_t host_more = 0;
+    for (int32_t page : seq.pages) {
+      if (!device_to_host_.contains(page) && !copied.contains(page)) ++host_more;
+    }
+    if (host_taken + host_more > host_allocator_->num_free()) continue;
+    host_taken += host_more;
+    for (int32_t page : seq.pages) {
+      if (!device_to_host_.contains(page)) copied.insert(page);
+      if (++dropped[page] == allocator_->ref_count(page)) ++freed;
+    }
+    plan.push_back(id);
+  }
+  if (freed < device_pages) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "need ", device_pages, " more free KV pages; offloading idle sequences frees at most ",
+        freed, " (host tier: ", host_allocator_->num_free(), " free pages)"));
+  }
+  return plan;
 }
 
 }  // namespace pagedattn
