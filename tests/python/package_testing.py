@@ -153,12 +153,14 @@ class ServerCase(unittest.TestCase):
     test was given --unix) and a connected pagedattn.Client, shared by the class's tests; each
     test gets its own seeded numpy generator. The package is `cls.pa`."""
     LAYERS, PAGES = 2, 32
+    EXTRA_FLAGS = ()  # more server flags of a subclass
 
     @classmethod
     def setUpClass(cls):
         import pagedattn  # pylint: disable=import-outside-toplevel
         cls.pa = pagedattn
-        flags = [f"--num_pages={cls.PAGES}", f"--num_layers={cls.LAYERS}", "--cpu_threads=2"]
+        flags = [f"--num_pages={cls.PAGES}", f"--num_layers={cls.LAYERS}", "--cpu_threads=2",
+                 *cls.EXTRA_FLAGS]
         on_unix = getattr(ARGS, "unix", False)
         cls.server = UnixServer(ARGS.server, flags) if on_unix else Server(ARGS.server, flags)
         cls.client = pagedattn.Client(cls.server.target)
