@@ -147,7 +147,7 @@ def child(mode, target):
 class KilledClientTest(unittest.TestCase):
     def kill_child_in(self, mode):
         import pagedattn  # pylint: disable=import-outside-toplevel
-        server = t.Server(t.ARGS.server, [f"--num_pages={PAGES}", f"--num_layers={LAYERS}",
+        server = t.Server(t.ARGS.server, [f"--num_pages={2 * PAGES}", f"--num_layers={LAYERS}",
                                           "--cpu_threads=2"])
         self.addCleanup(server.kill)
         client = pagedattn.Client(server.target)
