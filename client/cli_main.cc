@@ -4,6 +4,7 @@
 //   pagedattn-cli [flags] append ID [--num_tokens=N] [--layer=L] [--k_file=F --v_file=F]
 //   pagedattn-cli [flags] decode ID[,ID...] [--layer=L] [--with_kv] [--q_file=F] [--output_file=F]
 //   pagedattn-cli [flags] memory | register NAME KEY BYTES [--offset=O] | unregister NAME
+//   pagedattn-cli [flags] export ID FILE | import ID FILE | offload ID
 // Exit status: 0 on success, 1 when the call fails (the status is printed), 2 for bad usage.
 #include <cmath>
 #include <cstdint>
@@ -17,6 +18,8 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "google/protobuf/io/zero_copy_stream_impl.h"
+#include "google/protobuf/util/delimited_message_util.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
@@ -176,6 +179,49 @@ int Decode(Client& client, const std::string& ids_text, std::mt19937_64& rng) {
   return 0;
 }
 
+// The file of an export: its chunks, each a varint byte count then the ExportSequenceChunk.
+int ExportToFile(Client& client, uint64_t id, const std::string& path) {
+  absl::StatusOr<std::vector<v1::ExportSequenceChunk>> chunks = client.ExportSequence(id);
+  if (!chunks.ok()) return Fail(chunks.status());
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  for (const v1::ExportSequenceChunk& c : *chunks) {
+    if (!out || !google::protobuf::util::SerializeDelimitedToOstream(c, &out)) break;
+  }
+  out.close();
+  if (!out) {
+    std::cerr << "pagedattn-cli: cannot write " << path << std::endl;
+    return 1;
+  }
+  const int64_t length = chunks->empty() ? 0 : chunks->front().length();
+  std::cout << "sequence " << id << ": " << length << " tokens exported to " << path << " ("
+            << chunks->size() << " chunks)\n";
+  return 0;
+}
+
+int ImportFromFile(Client& client, uint64_t id, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    std::cerr << "pagedattn-cli: cannot read " << path << std::endl;
+    return 1;
+  }
+  google::protobuf::io::IstreamInputStream stream(&in);
+  std::vector<v1::ExportSequenceChunk> chunks;
+  while (true) {
+    v1::ExportSequenceChunk c;
+    bool clean_eof = false;
+    if (!google::protobuf::util::ParseDelimitedFromZeroCopyStream(&c, &stream, &clean_eof)) {
+      if (clean_eof) break;
+      std::cerr << "pagedattn-cli: " << path << " is not an export file" << std::endl;
+      return 1;
+    }
+    chunks.push_back(std::move(c));
+  }
+  absl::StatusOr<int64_t> length = client.ImportSequence(id, chunks);
+  if (!length.ok()) return Fail(length.status());
+  std::cout << "sequence " << id << ": " << *length << " tokens imported from " << path << "\n";
+  return 0;
+}
+
 int Run(const std::vector<std::string>& args) {
   if (args.empty()) return Usage("missing command");
   pagedattn::client::ClientOptions options;
@@ -255,6 +301,19 @@ int Run(const std::vector<std::string>& args) {
     std::cout << "memory region " << args[1] << ": unregistered\n";
     return 0;
   }
+  if (command == "offload" && want(1)) {
+    absl::StatusOr<uint64_t> id = id_at(1);
+    if (!id.ok()) return Usage(std::string(id.status().message()));
+    if (absl::Status status = (*client)->OffloadSequence(*id); !status.ok()) return Fail(status);
+    std::cout << "sequence " << *id << ": offloaded\n";
+    return 0;
+  }
+  if ((command == "export" || command == "import") && want(2)) {
+    absl::StatusOr<uint64_t> id = id_at(1);
+    if (!id.ok()) return Usage(std::string(id.status().message()));
+    return command == "export" ? ExportToFile(**client, *id, args[2])
+                               : ImportFromFile(**client, *id, args[2]);
+  }
   return Usage(absl::StrCat("unknown command or wrong arguments: ", command));
 }
 
@@ -275,7 +334,10 @@ int main(int argc, char** argv) {
       "  register NAME KEY BYTES    register BYTES of shared-memory object KEY (\"/name\") from\n"
       "                             --offset as region NAME (tensors by reference)\n"
       "  unregister NAME            unlist a region; waits for the work that uses it\n"
-      "                             (e.g. one a client that died left registered)");
+      "                             (e.g. one a client that died left registered)\n"
+      "  export ID FILE             write a sequence's KV (every layer) to FILE\n"
+      "  import ID FILE             make sequence ID from an export FILE (e.g. of another server)\n"
+      "  offload ID                 move an idle sequence to the server's host tier");
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   std::vector<std::string> args(positional.begin() + 1, positional.end());
   return Run(args);
