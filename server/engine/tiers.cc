@@ -142,12 +142,13 @@ absl::Status Tiers::Restore(SequenceTable& table, uint64_t id) {
 }
 
 absl::Status Tiers::MakeRoom(SequenceTable& table, BlockAllocator& allocator, int64_t pages,
-                             const absl::flat_hash_set<uint64_t>& exclude) {
+                             const absl::flat_hash_set<uint64_t>& exclude,
+                             const absl::flat_hash_set<int32_t>& keep_pages) {
   if (!options_.offload_lru) {
     return absl::ResourceExhaustedError(absl::StrCat("need ", pages, " more free KV pages, ",
                                                      allocator.num_free(), " free"));
   }
-  absl::StatusOr<std::vector<uint64_t>> plan = table.PlanOffload(pages, exclude);
+  absl::StatusOr<std::vector<uint64_t>> plan = table.PlanOffload(pages, exclude, keep_pages);
   if (!plan.ok()) return plan.status();
   for (uint64_t victim : *plan) {
     // Planned against both tiers' free pages: failing here is a bookkeeping bug or a device error.
@@ -200,7 +201,12 @@ absl::Status Tiers::PrepareItem(SequenceTable& table, BlockAllocator& allocator,
         exclude.insert(item->append.sequence_id);
       }
     }
-    if (absl::Status s = MakeRoom(table, allocator, needed - allocator.num_free(), exclude); !s.ok()) {
+    // A copy on write of this batch reads its source page at launch; a page freed now could be
+    // taken and written by a restore at once, before that.
+    absl::flat_hash_set<int32_t> keep;
+    for (const PageCopy& c : batch.batch.page_copies) keep.insert(c.src);
+    if (absl::Status s = MakeRoom(table, allocator, needed - allocator.num_free(), exclude, keep);
+        !s.ok()) {
       return s;
     }
   }

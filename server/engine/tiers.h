@@ -79,8 +79,11 @@ class Tiers {
   // With the lru policy, offloads idle sequences outside `exclude` until `pages` more pool
   // pages are free; RESOURCE_EXHAUSTED (nothing changed) when that is not possible, or without
   // the policy.
+  // `keep_pages`: pages the batch being built still reads at its launch (the sources of its
+  // copies on write): their holders stay, so that no restore writes into them before that.
   absl::Status MakeRoom(SequenceTable& table, BlockAllocator& allocator, int64_t pages,
-                        const absl::flat_hash_set<uint64_t>& exclude);
+                        const absl::flat_hash_set<uint64_t>& exclude,
+                        const absl::flat_hash_set<int32_t>& keep_pages = {});
   // The runs of `moves` (sorted by device page, merged where both sides are consecutive) for
   // every layer, pointing into the host tier.
   std::vector<PageRun> HostRuns(std::vector<SequenceTable::PageMove> moves) const;

@@ -315,13 +315,18 @@ absl::Status SequenceTable::Restore(uint64_t id, std::vector<PageMove>* moves) {
 }
 
 absl::StatusOr<std::vector<uint64_t>> SequenceTable::PlanOffload(
-    int64_t device_pages, const absl::flat_hash_set<uint64_t>& exclude) const {
+    int64_t device_pages, const absl::flat_hash_set<uint64_t>& exclude,
+    const absl::flat_hash_set<int32_t>& keep_pages) const {
   if (host_allocator_ == nullptr) return absl::FailedPreconditionError("the server has no host tier");
   std::vector<std::pair<uint64_t, uint64_t>> candidates;  // (last_used, id)
   for (const auto& [id, seq] : sequences_) {
-    if (!seq.offloaded && seq.step_tokens == 0 && !seq.pages.empty() && !exclude.contains(id)) {
-      candidates.emplace_back(seq.last_used, id);
+    if (seq.offloaded || seq.step_tokens != 0 || seq.pages.empty() || exclude.contains(id)) continue;
+    if (!keep_pages.empty() &&
+        std::any_of(seq.pages.begin(), seq.pages.end(),
+                    [&](int32_t page) { return keep_pages.contains(page); })) {
+      continue;
     }
+    candidates.emplace_back(seq.last_used, id);
   }
   std::sort(candidates.begin(), candidates.end());
   // Simulates the offloads in order: a device page is freed once every holder went, a host

@@ -20,9 +20,10 @@
 // sequence still holds copies p into a fresh host page h and links p <-> h; a second sequence
 // offloaded with p then takes one more reference on h instead of a new copy. Restoring takes p
 // back the same way while the link stands (no copy), else a fresh device page (linked to h while
-// other offloaded sequences still hold h). A link ends when either page is freed. This is exact
-// because a page held by two sequences is never written (copy on write), and a page held by one
-// is written only past that sequence's length, which every linked holder of it has reached.
+// other offloaded sequences still hold h). A link ends when either page is freed, and when a
+// step writes into the device page (its holder then has tokens the host copy lacks). This is
+// exact because a page held by two sequences is never written (copy on write): while linked,
+// both copies hold the same tokens for every holder.
 //
 // Errors change nothing. Not thread-safe: the owner (the engine) serializes every call under its
 // state lock. Spans returned by Get stay valid until the next mutating call.
@@ -119,11 +120,13 @@ class SequenceTable {
   // Moves an offloaded sequence back to the device; *moves gets the copies to make. NOT_FOUND,
   // RESOURCE_EXHAUSTED (device pages).
   absl::Status Restore(uint64_t id, std::vector<PageMove>* moves);
-  // Resident sequences, least recently used first, outside `exclude` and not mid-step, whose
-  // offload together frees at least `device_pages` device pages and fits the host tier's free
-  // pages. RESOURCE_EXHAUSTED when no such set exists (after trying every candidate).
-  absl::StatusOr<std::vector<uint64_t>> PlanOffload(int64_t device_pages,
-                                                    const absl::flat_hash_set<uint64_t>& exclude) const;
+  // Resident sequences, least recently used first, outside `exclude`, holding none of
+  // `keep_pages` and not mid-step, whose offload together frees at least `device_pages` device
+  // pages and fits the host tier's free pages. RESOURCE_EXHAUSTED when no such set exists
+  // (after trying every candidate).
+  absl::StatusOr<std::vector<uint64_t>> PlanOffload(
+      int64_t device_pages, const absl::flat_hash_set<uint64_t>& exclude,
+      const absl::flat_hash_set<int32_t>& keep_pages = {}) const;
 
  private:
   struct Sequence {

@@ -123,6 +123,10 @@ TEST_F(SequenceTableTiersTest, LruPlanTakesTheLeastRecentlyUsedFirst) {
   plan = table_->PlanOffload(2, {3});
   ASSERT_TRUE(plan.ok());
   EXPECT_EQ(*plan, std::vector<uint64_t>({2, 1}));
+  // A page the batch still reads keeps its holder: 2 holds page 1 (ids are handed out in order).
+  plan = table_->PlanOffload(1, {}, {1});
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(*plan, std::vector<uint64_t>({3}));
 }
 
 }  // namespace
