@@ -362,6 +362,21 @@ TEST_F(KvTiersTest, LruPolicyOffloadsInsteadOfRefusingAndAccountsEveryPage) {
   const TierSnapshot t = Tiers(*client_);
   EXPECT_EQ((kPool - t.pages_free) + (kHost - t.host_free), demand()) << Describe(t);
   EXPECT_GT(t.offloaded, 0) << "the pool was never under pressure";
+  // An import makes room the same way (a one-page copy of the shortest sequence).
+  uint64_t shortest = live.begin()->first;
+  for (const auto& [id, n] : live) {
+    if (n < live[shortest]) shortest = id;
+  }
+  auto copy = client_->ExportSequence(shortest);
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  const uint64_t copy_id = next_id++;
+  auto imported = client_->ImportSequence(copy_id, *copy);
+  ASSERT_TRUE(imported.ok()) << imported.status() << " " << Describe(Tiers(*client_));
+  mirror_->Fork(shortest, copy_id);
+  live[copy_id] = live[shortest];
+  DecodeAndCheck(RandomDecode(next_request_id_++, 1, {copy_id}, false, rng_));
+  const TierSnapshot t2 = Tiers(*client_);
+  EXPECT_EQ((kPool - t2.pages_free) + (kHost - t2.host_free), demand()) << Describe(t2);
 
   // Both tiers full: the next sequence's prefill is refused with nothing changed.
   while (true) {
@@ -374,6 +389,12 @@ TEST_F(KvTiersTest, LruPolicyOffloadsInsteadOfRefusingAndAccountsEveryPage) {
     auto appended = client_->AppendKV(id, 0, static_cast<int32_t>(kMaxTokens), k, k);
     if (!appended.ok()) {
       EXPECT_TRUE(absl::IsResourceExhausted(appended.status())) << appended.status();
+      EXPECT_EQ(Tiers(*client_), before) << Describe(Tiers(*client_));
+      // An import is refused the same way.
+      auto big = client_->ExportSequence(live.rbegin()->first == id ? std::prev(live.end(), 2)->first
+                                                                   : live.rbegin()->first);
+      ASSERT_TRUE(big.ok());
+      EXPECT_TRUE(absl::IsResourceExhausted(client_->ImportSequence(next_id++, *big).status()));
       EXPECT_EQ(Tiers(*client_), before) << Describe(Tiers(*client_));
       break;
     }
