@@ -117,7 +117,7 @@ class Client {
   absl::Status ReleaseSequence(uint64_t sequence_id);
   absl::StatusOr<v1::GetStatsResponse> GetStats();
   // KV beyond one pool. ExportSequence: every chunk of the sequence (layer by layer, at most
-  // one page of tokens each), in order. ImportSequence: streams `chunks` (e.g. another
+  // 1024 tokens each), in order. ImportSequence: streams `chunks` (e.g. another
   // server's export; sequence_id and length are set on the first from `sequence_id` and the
   // chunks' own length) and returns the committed length. Both use the options' timeout for
   // the whole stream.

@@ -61,7 +61,7 @@ void ExportReactor::WriteNext() {
     FinishWith(absl::OkStatus());
     return;
   }
-  const int64_t n = std::min<int64_t>(k::kPageSize, length - next_token_);
+  const int64_t n = std::min<int64_t>(kExportChunkTokens, length - next_token_);
   chunk_.set_layer(layer_);
   chunk_.set_first_token(next_token_);
   chunk_.set_num_tokens(static_cast<int32_t>(n));

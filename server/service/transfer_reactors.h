@@ -1,8 +1,8 @@
 // The reactors of ExportSequence (server streaming) and ImportSequence (client streaming).
 //
 // ExportReactor asks the engine for a copy of the sequence (Engine::ExportSequence) and writes
-// it as chunks of at most one page of tokens (64 tokens: 64 KiB of k and of v) of one layer,
-// layer by layer, one write at a time. ImportReactor checks each chunk as it is read
+// it as chunks of at most kExportChunkTokens tokens of one layer, layer by layer, one write at
+// a time. ImportReactor checks each chunk as it is read
 // (ImportAssembler), refuses an id in use at the first chunk, and once the client half-closes
 // hands the copy to Engine::ImportSequence. An error, a cancel or a client that goes away
 // finishes the call; nothing reaches the engine before the whole stream arrived, so nothing is
@@ -29,6 +29,11 @@ namespace pagedattn {
 
 class CallCounter;
 class Metrics;
+
+// Tokens per exported chunk: 1024 (16 pages), 1 MiB of k and 1 MiB of v, a message of about
+// 2 MiB: under gRPC's default 4 MiB receive limit, so a client with default limits can read it,
+// and large enough that the per-message cost stays small next to the copy.
+inline constexpr int64_t kExportChunkTokens = 1024;
 
 class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceChunk> {
  public:

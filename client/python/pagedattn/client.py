@@ -154,7 +154,7 @@ class Client:
     # -- KV beyond one pool ------------------------------------------------------------------
     def export_sequence(self, sequence_id: int, timeout: Optional[float] = None) -> List[pb.ExportSequenceChunk]:
         """ExportSequence: every chunk of the sequence's committed tokens (k/v bf16 bytes as
-        the pool stores them, layer by layer, at most one page of tokens each)."""
+        the pool stores them, layer by layer, at most 1024 tokens each)."""
         request = pb.ExportSequenceRequest(sequence_id=_protocol.sequence_id(sequence_id))
         try:
             return list(self._stub.ExportSequence(request, timeout=timeout or self.options.deadline(),
