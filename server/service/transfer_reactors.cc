@@ -27,7 +27,10 @@ void ExportReactor::OnData(absl::StatusOr<std::shared_ptr<const SequenceData>> d
     FinishWith(data.status());
     return;
   }
-  data_ = *std::move(data);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    data_ = *std::move(data);
+  }
   WriteNext();
 }
 
@@ -40,27 +43,33 @@ void ExportReactor::OnWriteDone(bool ok) {
 }
 
 void ExportReactor::WriteNext() {
+  bool more;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    more = NextChunkLocked();
+  }
+  if (more) {
+    StartWrite(&chunk_);
+  } else {
+    FinishWith(absl::OkStatus());
+  }
+}
+
+bool ExportReactor::NextChunkLocked() {
   const int64_t length = data_->length;
   chunk_.Clear();
   chunk_.set_sequence_id(sequence_id_);
   chunk_.set_length(length);
   if (length == 0) {
-    if (empty_written_) {
-      FinishWith(absl::OkStatus());
-      return;
-    }
+    if (empty_written_) return false;
     empty_written_ = true;
-    StartWrite(&chunk_);
-    return;
+    return true;
   }
   if (next_token_ == length) {
     ++layer_;
     next_token_ = 0;
   }
-  if (layer_ >= data_->num_layers) {
-    FinishWith(absl::OkStatus());
-    return;
-  }
+  if (layer_ >= data_->num_layers) return false;
   const int64_t n = std::min<int64_t>(kExportChunkTokens, length - next_token_);
   chunk_.set_layer(layer_);
   chunk_.set_first_token(next_token_);
@@ -68,7 +77,7 @@ void ExportReactor::WriteNext() {
   chunk_.set_k(data_->k(layer_) + next_token_ * k::kTokenBytes, n * k::kTokenBytes);
   chunk_.set_v(data_->v(layer_) + next_token_ * k::kTokenBytes, n * k::kTokenBytes);
   next_token_ += n;
-  StartWrite(&chunk_);
+  return true;
 }
 
 void ExportReactor::FinishWith(const absl::Status& status) {
@@ -100,35 +109,39 @@ ImportReactor::ImportReactor(grpc::CallbackServerContext* context, Engine* engin
 }
 
 void ImportReactor::OnReadDone(bool ok) {
-  if (!ok) {
-    // The client half-closed, or the call was cancelled (then nothing was applied).
-    if (context_->IsCancelled()) {
-      FinishWith(absl::CancelledError("the import stream was cancelled"));
-      return;
+  absl::Status refused;
+  absl::StatusOr<std::shared_ptr<const SequenceData>> data;
+  uint64_t id = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!ok) {
+      // The client half-closed, or the call was cancelled (then nothing is applied).
+      if (context_->IsCancelled()) {
+        refused = absl::CancelledError("the import stream was cancelled");
+      } else {
+        data = assembler_.Finish();
+        id = assembler_.sequence_id();
+        if (!data.ok()) refused = data.status();
+      }
+    } else {
+      const bool first = !assembler_.started();
+      refused = assembler_.Add(chunk_);
+      if (refused.ok() && first && engine_->HasSequence(assembler_.sequence_id())) {
+        refused = absl::AlreadyExistsError(
+            absl::StrCat("sequence ", assembler_.sequence_id(), " already exists"));
+      }
     }
-    absl::StatusOr<std::shared_ptr<const SequenceData>> data = assembler_.Finish();
-    if (!data.ok()) {
-      FinishWith(data.status());
-      return;
-    }
-    engine_->ImportSequence(assembler_.sequence_id(), *std::move(data),
-                            [this](absl::StatusOr<int64_t> length) {
-                              if (length.ok()) response_->set_length(*length);
-                              FinishWith(length.status());
-                            });
-    return;
   }
-  const bool first = !assembler_.started();
-  if (absl::Status s = assembler_.Add(chunk_); !s.ok()) {
-    FinishWith(s);
-    return;
+  if (!refused.ok()) {
+    FinishWith(refused);
+  } else if (ok) {
+    StartRead(&chunk_);
+  } else {
+    engine_->ImportSequence(id, *std::move(data), [this](absl::StatusOr<int64_t> length) {
+      if (length.ok()) response_->set_length(*length);
+      FinishWith(length.status());
+    });
   }
-  if (first && engine_->HasSequence(assembler_.sequence_id())) {
-    FinishWith(absl::AlreadyExistsError(
-        absl::StrCat("sequence ", assembler_.sequence_id(), " already exists")));
-    return;
-  }
-  StartRead(&chunk_);
 }
 
 void ImportReactor::FinishWith(const absl::Status& status) {

@@ -8,6 +8,10 @@
 // finishes the call; nothing reaches the engine before the whole stream arrived, so nothing is
 // left behind.
 //
+// Threading: reactions come on gRPC threads and the engine's callback on its own; the state
+// they share is under mu_ (so that a race detector sees the hand-offs gRPC makes inside its
+// own, uninstrumented, code), and gRPC operations start after mu_ is released.
+//
 // Lifetime: created by the service per call (after the token check), each deletes itself in
 // OnDone. Finish is called exactly once, only when no engine callback is outstanding and no
 // write is in progress; a thread that starts a write touches nothing of the reactor after it.
@@ -16,6 +20,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -46,13 +51,16 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceCh
   void OnData(absl::StatusOr<std::shared_ptr<const SequenceData>> data);
   // Writes the next chunk, or finishes OK after the last.
   void WriteNext();
+  // Fills chunk_ with the next chunk; false after the last.
+  bool NextChunkLocked();
   void FinishWith(const absl::Status& status);
 
   Metrics* const metrics_;
   CallCounter* const calls_;
   const absl::Time start_;
   const uint64_t sequence_id_;
-  std::shared_ptr<const SequenceData> data_;
+  std::mutex mu_;
+  std::shared_ptr<const SequenceData> data_;  // guarded by mu_, as are the four below
   int32_t layer_ = 0;
   int64_t next_token_ = 0;
   bool empty_written_ = false;  // the one chunk of a sequence of length 0
@@ -75,7 +83,8 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::ImportSequenceChu
   Metrics* const metrics_;
   CallCounter* const calls_;
   const absl::Time start_;
-  ImportAssembler assembler_;
+  std::mutex mu_;
+  ImportAssembler assembler_;  // guarded by mu_, as is chunk_
   v1::ImportSequenceChunk chunk_;
 };
 
