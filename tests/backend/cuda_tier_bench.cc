@@ -50,14 +50,17 @@ void Print(const char* what, int64_t bytes, double seconds, double baseline_gbps
   std::printf("\n");
 }
 
-#define CHECK_OK(expr)                                                          \
-  do {                                                                          \
-    auto s_ = (expr);                                                           \
-    if (!s_.ok()) {                                                             \
-      std::fprintf(stderr, "%s: %s\n", #expr, std::string(s_.message()).c_str()); \
-      std::exit(1);                                                             \
-    }                                                                           \
-  } while (0)
+void Check(const absl::Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, std::string(s.message()).c_str());
+    std::exit(1);
+  }
+}
+template <typename T>
+void Check(const absl::StatusOr<T>& s, const char* what) {
+  Check(s.status(), what);
+}
+#define CHECK_OK(expr) Check((expr), #expr)
 #define CHECK_CUDA(expr)                                                              \
   do {                                                                                \
     cudaError_t e_ = (expr);                                                          \
