@@ -1,7 +1,11 @@
 // The engine's KV tiers on the CPU backend: the shared checks of tier_checks.h (the GPU suite
 // runs them on the CUDA backend), and the sequence table's tier bookkeeping: links of shared
 // pages across tiers, the lru plan, all-or-nothing failures.
+#include <map>
 #include <memory>
+#include <random>
+#include <set>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "server/backend/cpu_backend.h"
@@ -127,6 +131,94 @@ TEST_F(SequenceTableTiersTest, LruPlanTakesTheLeastRecentlyUsedFirst) {
   plan = table_->PlanOffload(1, {}, {1});
   ASSERT_TRUE(plan.ok());
   EXPECT_EQ(*plan, std::vector<uint64_t>({3}));
+}
+
+// Random adds, steps, forks, releases, offloads and restores over a small pool and host tier,
+// with page contents simulated (the copies each call asks for are made on the simulated
+// memories): after every call, every committed token of every sequence is found where its pages
+// say, in the tier it is in, and each tier's free pages plus its distinct held pages add up.
+TEST(SequenceTableTiersRandomTest, EveryTokenStaysFindableAcrossTiers) {
+  for (uint64_t seed = 1; seed <= 20; ++seed) {
+    SCOPED_TRACE(seed);
+    std::mt19937_64 rng(seed);
+    auto device = *BlockAllocator::Create({.num_pages = 12});
+    auto host = *BlockAllocator::Create({.num_pages = 10});
+    auto table = *SequenceTable::Create({.num_layers = 1}, device.get(), host.get());
+    std::map<int32_t, std::vector<int64_t>> device_mem, host_mem;  // page -> 64 slots
+    auto slot = [](std::map<int32_t, std::vector<int64_t>>& mem, int32_t page) -> std::vector<int64_t>& {
+      auto& p = mem[page];
+      p.resize(64, -1);
+      return p;
+    };
+    std::map<uint64_t, std::vector<int64_t>> tokens;  // the model: each sequence's tokens
+    int64_t next_value = 0;
+    for (int op = 0; op < 400; ++op) {
+      const uint64_t id = rng() % 6;
+      const bool live = tokens.contains(id);
+      switch (rng() % 6) {
+        case 0:
+          if (table->Add(id).ok()) tokens[id] = {};
+          break;
+        case 1: {  // a step of 1..80 tokens, restoring first as the engine does
+          if (!live) break;
+          std::vector<SequenceTable::PageMove> moves;
+          if (!table->Restore(id, &moves).ok()) break;
+          for (const auto& m : moves) slot(device_mem, m.device) = slot(host_mem, m.host);
+          const int32_t n = 1 + static_cast<int32_t>(rng() % 80);
+          std::vector<PageCopy> copies;
+          absl::StatusOr<SequenceTable::StepResult> r = table->ApplyStep(id, 0, n, &copies);
+          if (!r.ok()) {
+            ASSERT_TRUE(absl::IsResourceExhausted(r.status())) << r.status();
+            break;
+          }
+          for (const PageCopy& c : copies) slot(device_mem, c.dst) = slot(device_mem, c.src);
+          auto view = *table->Get(id);
+          for (int64_t pos = r->first_position; pos < r->visible_tokens; ++pos) {
+            slot(device_mem, view.pages[pos / 64])[pos % 64] = next_value;
+            tokens[id].push_back(next_value++);
+          }
+          break;
+        }
+        case 2: {
+          const uint64_t child = rng() % 6;
+          if (table->Fork(id, child).ok()) tokens[child] = tokens[id];
+          break;
+        }
+        case 3:
+          if (table->Remove(id).ok()) tokens.erase(id);
+          break;
+        case 4: {
+          std::vector<SequenceTable::PageMove> moves;
+          if (table->Offload(id, &moves).ok()) {
+            for (const auto& m : moves) slot(host_mem, m.host) = slot(device_mem, m.device);
+          }
+          break;
+        }
+        case 5: {
+          std::vector<SequenceTable::PageMove> moves;
+          if (table->Restore(id, &moves).ok()) {
+            for (const auto& m : moves) slot(device_mem, m.device) = slot(host_mem, m.host);
+          }
+          break;
+        }
+      }
+      std::set<int32_t> held_device, held_host;
+      for (const auto& [sid, want] : tokens) {
+        auto view = table->Get(sid);
+        ASSERT_TRUE(view.ok());
+        ASSERT_EQ(view->length, static_cast<int64_t>(want.size()));
+        auto& mem = view->offloaded ? host_mem : device_mem;
+        for (int64_t pos = 0; pos < view->length; ++pos) {
+          ASSERT_EQ(slot(mem, view->pages[pos / 64])[pos % 64], want[pos])
+              << "op " << op << " sequence " << sid << " token " << pos
+              << (view->offloaded ? " (host)" : " (device)");
+        }
+        for (int32_t page : view->pages) (view->offloaded ? held_host : held_device).insert(page);
+      }
+      ASSERT_EQ(device->num_free() + static_cast<int64_t>(held_device.size()), 12) << "op " << op;
+      ASSERT_EQ(host->num_free() + static_cast<int64_t>(held_host.size()), 10) << "op " << op;
+    }
+  }
 }
 
 }  // namespace
