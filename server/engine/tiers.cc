@@ -201,10 +201,12 @@ absl::Status Tiers::PrepareItem(SequenceTable& table, BlockAllocator& allocator,
         exclude.insert(item->append.sequence_id);
       }
     }
-    // A copy on write of this batch reads its source page at launch; a page freed now could be
-    // taken and written by a restore at once, before that.
+    // Pages whose holders stay: the sources of this batch's copies on write (read at launch; a
+    // page freed now could be taken and written by a restore at once, before that), and the
+    // pages the item's restores share through links (the costs above count on them).
     absl::flat_hash_set<int32_t> keep;
     for (const PageCopy& c : batch.batch.page_copies) keep.insert(c.src);
+    for (uint64_t id : ids) table.LinkedDevicePages(id, &keep);
     if (absl::Status s = MakeRoom(table, allocator, needed - allocator.num_free(), exclude, keep);
         !s.ok()) {
       return s;

@@ -120,6 +120,9 @@ class SequenceTable {
   // Moves an offloaded sequence back to the device; *moves gets the copies to make. NOT_FOUND,
   // RESOURCE_EXHAUSTED (device pages).
   absl::Status Restore(uint64_t id, std::vector<PageMove>* moves);
+  // The device pages linked to an offloaded sequence's host pages (what its restore shares
+  // instead of copying), added to *pages. Nothing for a resident or unknown id.
+  void LinkedDevicePages(uint64_t id, absl::flat_hash_set<int32_t>* pages) const;
   // Resident sequences, least recently used first, outside `exclude`, holding none of
   // `keep_pages` and not mid-step, whose offload together frees at least `device_pages` device
   // pages and fits the host tier's free pages. RESOURCE_EXHAUSTED when no such set exists

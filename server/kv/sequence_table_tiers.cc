@@ -103,6 +103,16 @@ absl::Status SequenceTable::Restore(uint64_t id, std::vector<PageMove>* moves) {
   return absl::OkStatus();
 }
 
+void SequenceTable::LinkedDevicePages(uint64_t id, absl::flat_hash_set<int32_t>* pages) const {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end() || !it->second.offloaded) return;
+  for (int32_t host : it->second.pages) {
+    if (auto link = host_to_device_.find(host); link != host_to_device_.end()) {
+      pages->insert(link->second);
+    }
+  }
+}
+
 absl::StatusOr<std::vector<uint64_t>> SequenceTable::PlanOffload(
     int64_t device_pages, const absl::flat_hash_set<uint64_t>& exclude,
     const absl::flat_hash_set<int32_t>& keep_pages) const {

@@ -59,6 +59,9 @@ TEST_F(SequenceTableTiersTest, SharedPagesKeepOneCopyPerTier) {
   EXPECT_EQ(moves.size(), 2u);
   EXPECT_EQ(device_->num_free(), 6);  // 2 still holds them
   EXPECT_EQ(host_->num_free(), 2);
+  absl::flat_hash_set<int32_t> linked;
+  table_->LinkedDevicePages(1, &linked);
+  EXPECT_EQ(linked, absl::flat_hash_set<int32_t>({0, 1}));  // what 1's restore would share
   moves.clear();
   EXPECT_EQ(*table_->OffloadCost(2), 0);  // linked: no new copy
   ASSERT_TRUE(table_->Offload(2, &moves).ok());
