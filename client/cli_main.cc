@@ -4,7 +4,7 @@
 //   pagedattn-cli [flags] append ID [--num_tokens=N] [--layer=L] [--k_file=F --v_file=F]
 //   pagedattn-cli [flags] decode ID[,ID...] [--layer=L] [--with_kv] [--q_file=F] [--output_file=F]
 //   pagedattn-cli [flags] memory | register NAME KEY BYTES [--offset=O] | unregister NAME
-//   pagedattn-cli [flags] export ID FILE | import ID FILE | offload ID
+//   pagedattn-cli [flags] export ID FILE | import ID FILE | offload ID | migrate ID TARGET
 // Exit status: 0 on success, 1 when the call fails (the status is printed), 2 for bad usage.
 #include <cmath>
 #include <cstdint>
@@ -28,6 +28,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/bf16.h"
 #include "client/client.h"
@@ -222,6 +223,29 @@ int ImportFromFile(Client& client, uint64_t id, const std::string& path) {
   return 0;
 }
 
+// ExportSequence from this client's server, ImportSequence into `to` (same id, same options
+// otherwise), each timed: the figure of a migration between two servers over gRPC.
+int Migrate(Client& from, uint64_t id, pagedattn::client::ClientOptions options, const std::string& to) {
+  options.target = to;
+  absl::StatusOr<std::unique_ptr<Client>> other = Client::Connect(options);
+  if (!other.ok()) return Fail(other.status());
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::vector<v1::ExportSequenceChunk>> chunks = from.ExportSequence(id);
+  if (!chunks.ok()) return Fail(chunks.status());
+  const absl::Time exported = absl::Now();
+  absl::StatusOr<int64_t> length = (*other)->ImportSequence(id, *chunks);
+  if (!length.ok()) return Fail(length.status());
+  const absl::Time done = absl::Now();
+  int64_t bytes = 0;
+  for (const v1::ExportSequenceChunk& c : *chunks) bytes += static_cast<int64_t>(c.k().size() + c.v().size());
+  const double seconds = absl::ToDoubleSeconds(done - start);
+  std::cout << "sequence " << id << ": " << *length << " tokens, " << bytes / 1048576.0
+            << " MiB of K and V, exported in " << absl::ToDoubleMilliseconds(exported - start)
+            << " ms, imported in " << absl::ToDoubleMilliseconds(done - exported) << " ms: "
+            << seconds * 1e3 << " ms, " << (seconds > 0 ? bytes / seconds / 1e9 : 0.0) << " GB/s\n";
+  return 0;
+}
+
 int Run(const std::vector<std::string>& args) {
   if (args.empty()) return Usage("missing command");
   pagedattn::client::ClientOptions options;
@@ -308,6 +332,11 @@ int Run(const std::vector<std::string>& args) {
     std::cout << "sequence " << *id << ": offloaded\n";
     return 0;
   }
+  if (command == "migrate" && want(2)) {
+    absl::StatusOr<uint64_t> id = id_at(1);
+    if (!id.ok()) return Usage(std::string(id.status().message()));
+    return Migrate(**client, *id, options, args[2]);
+  }
   if ((command == "export" || command == "import") && want(2)) {
     absl::StatusOr<uint64_t> id = id_at(1);
     if (!id.ok()) return Usage(std::string(id.status().message()));
@@ -337,7 +366,8 @@ int main(int argc, char** argv) {
       "                             (e.g. one a client that died left registered)\n"
       "  export ID FILE             write a sequence's KV (every layer) to FILE\n"
       "  import ID FILE             make sequence ID from an export FILE (e.g. of another server)\n"
-      "  offload ID                 move an idle sequence to the server's host tier");
+      "  offload ID                 move an idle sequence to the server's host tier\n"
+      "  migrate ID TARGET          export from --target and import into TARGET, timed");
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   std::vector<std::string> args(positional.begin() + 1, positional.end());
   return Run(args);
