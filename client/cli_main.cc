@@ -223,26 +223,20 @@ int ImportFromFile(Client& client, uint64_t id, const std::string& path) {
   return 0;
 }
 
-// ExportSequence from this client's server, ImportSequence into `to` (same id, same options
-// otherwise), each timed: the figure of a migration between two servers over gRPC.
+// A migration: this client's server's export streamed straight into `to`'s import (same id,
+// same options otherwise), timed.
 int Migrate(Client& from, uint64_t id, pagedattn::client::ClientOptions options, const std::string& to) {
   options.target = to;
   absl::StatusOr<std::unique_ptr<Client>> other = Client::Connect(options);
   if (!other.ok()) return Fail(other.status());
   const absl::Time start = absl::Now();
-  absl::StatusOr<std::vector<v1::ExportSequenceChunk>> chunks = from.ExportSequence(id);
-  if (!chunks.ok()) return Fail(chunks.status());
-  const absl::Time exported = absl::Now();
-  absl::StatusOr<int64_t> length = (*other)->ImportSequence(id, *chunks);
-  if (!length.ok()) return Fail(length.status());
-  const absl::Time done = absl::Now();
   int64_t bytes = 0;
-  for (const v1::ExportSequenceChunk& c : *chunks) bytes += static_cast<int64_t>(c.k().size() + c.v().size());
-  const double seconds = absl::ToDoubleSeconds(done - start);
+  absl::StatusOr<int64_t> length = from.CopySequenceTo(id, **other, &bytes);
+  if (!length.ok()) return Fail(length.status());
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   std::cout << "sequence " << id << ": " << *length << " tokens, " << bytes / 1048576.0
-            << " MiB of K and V, exported in " << absl::ToDoubleMilliseconds(exported - start)
-            << " ms, imported in " << absl::ToDoubleMilliseconds(done - exported) << " ms: "
-            << seconds * 1e3 << " ms, " << (seconds > 0 ? bytes / seconds / 1e9 : 0.0) << " GB/s\n";
+            << " MiB of K and V migrated in " << seconds * 1e3 << " ms, "
+            << (seconds > 0 ? bytes / seconds / 1e9 : 0.0) << " GB/s\n";
   return 0;
 }
 

@@ -255,6 +255,54 @@ absl::StatusOr<int64_t> Client::ImportChunks(const std::vector<v1::ImportSequenc
   return response.length();
 }
 
+absl::StatusOr<int64_t> Client::CopySequenceTo(uint64_t sequence_id, Client& destination,
+                                               int64_t* bytes) {
+  auto from_context = NewContext();
+  auto to_context = destination.NewContext();
+  v1::ExportSequenceRequest request;
+  request.set_sequence_id(sequence_id);
+  std::unique_ptr<grpc::ClientReader<v1::ExportSequenceChunk>> reader =
+      stub_->ExportSequence(from_context.get(), request);
+  v1::ImportSequenceResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::ImportSequenceChunk>> writer =
+      destination.stub()->ImportSequence(to_context.get(), &response);
+  int64_t moved = 0;
+  bool first = true;
+  bool refused = false;  // the destination finished its import early
+  v1::ExportSequenceChunk chunk;
+  while (reader->Read(&chunk)) {
+    v1::ImportSequenceChunk out;
+    if (first) {
+      out.set_sequence_id(sequence_id);
+      out.set_length(chunk.length());
+      first = false;
+    }
+    out.set_layer(chunk.layer());
+    out.set_first_token(chunk.first_token());
+    out.set_num_tokens(chunk.num_tokens());
+    moved += static_cast<int64_t>(chunk.k().size() + chunk.v().size());
+    out.set_allocated_k(chunk.release_k());
+    out.set_allocated_v(chunk.release_v());
+    if (!writer->Write(out)) {
+      refused = true;
+      from_context->TryCancel();
+      while (reader->Read(&chunk)) {}
+      break;
+    }
+  }
+  const grpc::Status exported = reader->Finish();
+  if (!refused && !exported.ok()) {
+    to_context->TryCancel();
+    (void)writer->Finish();
+    return FromGrpcStatus(exported);
+  }
+  writer->WritesDone();
+  grpc::Status imported = writer->Finish();
+  if (!imported.ok()) return FromGrpcStatus(imported);
+  if (bytes != nullptr) *bytes = moved;
+  return response.length();
+}
+
 absl::Status Client::OffloadSequence(uint64_t sequence_id) {
   auto context = NewContext();
   v1::OffloadSequenceRequest request;

@@ -127,6 +127,12 @@ class Client {
   // The raw stream, for callers that build chunks themselves (tests of bad streams).
   absl::StatusOr<int64_t> ImportChunks(const std::vector<v1::ImportSequenceChunk>& chunks);
   absl::Status OffloadSequence(uint64_t sequence_id);
+  // Streams the sequence's export from this client's server straight into `destination`'s
+  // import under the same id, chunk by chunk with both streams open (a migration); returns the
+  // committed length and, in *bytes (nullable), the K and V bytes moved. The destination keeps
+  // nothing on error (its import is cancelled or refused).
+  absl::StatusOr<int64_t> CopySequenceTo(uint64_t sequence_id, Client& destination,
+                                         int64_t* bytes = nullptr);
 
   // Tensors by reference: regions of this host's memory the server maps (see the proto).
   // key: a shared-memory object name (SharedMemoryRegion::key()); [offset, offset + byte_size)

@@ -86,12 +86,17 @@ def main():
         # migrate: straight from this server into another one, timed.
         with t.Server(args.server, ["--num_pages=16", "--num_layers=2", "--cpu_threads=2"]) as other:
             out, _ = run(["migrate", "5", other.target])
-            assert "sequence 5: 71 tokens" in out and "GB/s" in out, out
+            assert "sequence 5: 71 tokens" in out and "migrated in" in out, out
             theirs = json.loads(subprocess.run([args.cli, f"--target={other.target}", "stats"],
                                                capture_output=True, text=True, timeout=60).stdout)
             assert int(theirs["sequences"]) == 1 and int(theirs["tokens"]) == 71, theirs
             _, err = run(["migrate", "5", other.target], code=1)
             assert "ALREADY_EXISTS" in err, err
+            _, err = run(["migrate", "99", other.target], code=1)
+            assert "NOT_FOUND" in err, err
+            theirs = json.loads(subprocess.run([args.cli, f"--target={other.target}", "stats"],
+                                               capture_output=True, text=True, timeout=60).stdout)
+            assert int(theirs["sequences"]) == 1 and int(theirs["pages_free"]) == 16 - 2, theirs
 
         run(["fork", "5", "6"])
         run(["decode", "5,6", "--layer=1"])
