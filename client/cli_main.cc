@@ -4,6 +4,7 @@
 //   pagedattn-cli [flags] append ID [--num_tokens=N] [--layer=L] [--k_file=F --v_file=F]
 //   pagedattn-cli [flags] decode ID[,ID...] [--layer=L] [--with_kv] [--q_file=F] [--output_file=F]
 //   pagedattn-cli [flags] memory | register NAME KEY BYTES [--offset=O] | unregister NAME
+//   pagedattn-cli [flags] export ID FILE | import ID FILE | offload ID | migrate ID TARGET
 // Exit status: 0 on success, 1 when the call fails (the status is printed), 2 for bad usage.
 #include <cmath>
 #include <cstdint>
@@ -17,6 +18,8 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "google/protobuf/io/zero_copy_stream_impl.h"
+#include "google/protobuf/util/delimited_message_util.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
@@ -25,6 +28,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/bf16.h"
 #include "client/client.h"
@@ -190,6 +194,66 @@ int Decode(Client& client, const std::string& ids_text, std::mt19937_64& rng) {
   return 0;
 }
 
+// The file of an export: its chunks, each a varint byte count then the ExportSequenceChunk.
+int ExportToFile(Client& client, uint64_t id, const std::string& path) {
+  absl::StatusOr<std::vector<v1::ExportSequenceChunk>> chunks = client.ExportSequence(id);
+  if (!chunks.ok()) return Fail(chunks.status());
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  for (const v1::ExportSequenceChunk& c : *chunks) {
+    if (!out || !google::protobuf::util::SerializeDelimitedToOstream(c, &out)) break;
+  }
+  out.close();
+  if (!out) {
+    std::cerr << "pagedattn-cli: cannot write " << path << std::endl;
+    return 1;
+  }
+  const int64_t length = chunks->empty() ? 0 : chunks->front().length();
+  std::cout << "sequence " << id << ": " << length << " tokens exported to " << path << " ("
+            << chunks->size() << " chunks)\n";
+  return 0;
+}
+
+int ImportFromFile(Client& client, uint64_t id, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    std::cerr << "pagedattn-cli: cannot read " << path << std::endl;
+    return 1;
+  }
+  google::protobuf::io::IstreamInputStream stream(&in);
+  std::vector<v1::ExportSequenceChunk> chunks;
+  while (true) {
+    v1::ExportSequenceChunk c;
+    bool clean_eof = false;
+    if (!google::protobuf::util::ParseDelimitedFromZeroCopyStream(&c, &stream, &clean_eof)) {
+      if (clean_eof) break;
+      std::cerr << "pagedattn-cli: " << path << " is not an export file" << std::endl;
+      return 1;
+    }
+    chunks.push_back(std::move(c));
+  }
+  absl::StatusOr<int64_t> length = client.ImportSequence(id, chunks);
+  if (!length.ok()) return Fail(length.status());
+  std::cout << "sequence " << id << ": " << *length << " tokens imported from " << path << "\n";
+  return 0;
+}
+
+// A migration: this client's server's export streamed straight into `to`'s import (same id,
+// same options otherwise), timed.
+int Migrate(Client& from, uint64_t id, pagedattn::client::ClientOptions options, const std::string& to) {
+  options.target = to;
+  absl::StatusOr<std::unique_ptr<Client>> other = Client::Connect(options);
+  if (!other.ok()) return Fail(other.status());
+  const absl::Time start = absl::Now();
+  int64_t bytes = 0;
+  absl::StatusOr<int64_t> length = from.CopySequenceTo(id, **other, &bytes);
+  if (!length.ok()) return Fail(length.status());
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  std::cout << "sequence " << id << ": " << *length << " tokens, " << bytes / 1048576.0
+            << " MiB of K and V migrated in " << seconds * 1e3 << " ms, "
+            << (seconds > 0 ? bytes / seconds / 1e9 : 0.0) << " GB/s\n";
+  return 0;
+}
+
 int Run(const std::vector<std::string>& args) {
   if (args.empty()) return Usage("missing command");
   pagedattn::client::ClientOptions options;
@@ -269,6 +333,24 @@ int Run(const std::vector<std::string>& args) {
     std::cout << "memory region " << args[1] << ": unregistered\n";
     return 0;
   }
+  if (command == "offload" && want(1)) {
+    absl::StatusOr<uint64_t> id = id_at(1);
+    if (!id.ok()) return Usage(std::string(id.status().message()));
+    if (absl::Status status = (*client)->OffloadSequence(*id); !status.ok()) return Fail(status);
+    std::cout << "sequence " << *id << ": offloaded\n";
+    return 0;
+  }
+  if (command == "migrate" && want(2)) {
+    absl::StatusOr<uint64_t> id = id_at(1);
+    if (!id.ok()) return Usage(std::string(id.status().message()));
+    return Migrate(**client, *id, options, args[2]);
+  }
+  if ((command == "export" || command == "import") && want(2)) {
+    absl::StatusOr<uint64_t> id = id_at(1);
+    if (!id.ok()) return Usage(std::string(id.status().message()));
+    return command == "export" ? ExportToFile(**client, *id, args[2])
+                               : ImportFromFile(**client, *id, args[2]);
+  }
   return Usage(absl::StrCat("unknown command or wrong arguments: ", command));
 }
 
@@ -289,7 +371,11 @@ int main(int argc, char** argv) {
       "  register NAME KEY BYTES    register BYTES of shared-memory object KEY (\"/name\") from\n"
       "                             --offset as region NAME (tensors by reference)\n"
       "  unregister NAME            unlist a region; waits for the work that uses it\n"
-      "                             (e.g. one a client that died left registered)");
+      "                             (e.g. one a client that died left registered)\n"
+      "  export ID FILE             write a sequence's KV (every layer) to FILE\n"
+      "  import ID FILE             make sequence ID from an export FILE (e.g. of another server)\n"
+      "  offload ID                 move an idle sequence to the server's host tier\n"
+      "  migrate ID TARGET          export from --target and import into TARGET, timed");
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   std::vector<std::string> args(positional.begin() + 1, positional.end());
   return Run(args);

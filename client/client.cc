@@ -207,6 +207,116 @@ absl::StatusOr<v1::GetStatsResponse> Client::GetStats() {
   return response;
 }
 
+absl::StatusOr<std::vector<v1::ExportSequenceChunk>> Client::ExportSequence(uint64_t sequence_id) {
+  auto context = NewContext();
+  v1::ExportSequenceRequest request;
+  request.set_sequence_id(sequence_id);
+  std::unique_ptr<grpc::ClientReader<v1::ExportSequenceChunk>> reader =
+      stub_->ExportSequence(context.get(), request);
+  std::vector<v1::ExportSequenceChunk> chunks;
+  v1::ExportSequenceChunk chunk;
+  while (reader->Read(&chunk)) chunks.push_back(std::move(chunk));
+  grpc::Status status = reader->Finish();
+  if (!status.ok()) return FromGrpcStatus(status);
+  return chunks;
+}
+
+absl::StatusOr<int64_t> Client::ImportSequence(uint64_t sequence_id,
+                                               const std::vector<v1::ExportSequenceChunk>& chunks) {
+  std::vector<v1::ImportSequenceChunk> converted;
+  converted.reserve(chunks.size());
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const v1::ExportSequenceChunk& c = chunks[i];
+    v1::ImportSequenceChunk& out = converted.emplace_back();
+    if (i == 0) {
+      out.set_sequence_id(sequence_id);
+      out.set_length(c.length());
+      out.set_kv_cache_dtype(c.kv_cache_dtype());
+      *out.mutable_k_scale() = c.k_scale();
+      *out.mutable_v_scale() = c.v_scale();
+    }
+    out.set_layer(c.layer());
+    out.set_first_token(c.first_token());
+    out.set_num_tokens(c.num_tokens());
+    out.set_k(c.k());
+    out.set_v(c.v());
+  }
+  return ImportChunks(converted);
+}
+
+absl::StatusOr<int64_t> Client::ImportChunks(const std::vector<v1::ImportSequenceChunk>& chunks) {
+  auto context = NewContext();
+  v1::ImportSequenceResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::ImportSequenceChunk>> writer =
+      stub_->ImportSequence(context.get(), &response);
+  for (const v1::ImportSequenceChunk& c : chunks) {
+    if (!writer->Write(c)) break;  // the server finished early: Finish says why
+  }
+  writer->WritesDone();
+  grpc::Status status = writer->Finish();
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response.length();
+}
+
+absl::StatusOr<int64_t> Client::CopySequenceTo(uint64_t sequence_id, Client& destination,
+                                               int64_t* bytes) {
+  auto from_context = NewContext();
+  auto to_context = destination.NewContext();
+  v1::ExportSequenceRequest request;
+  request.set_sequence_id(sequence_id);
+  std::unique_ptr<grpc::ClientReader<v1::ExportSequenceChunk>> reader =
+      stub_->ExportSequence(from_context.get(), request);
+  v1::ImportSequenceResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::ImportSequenceChunk>> writer =
+      destination.stub()->ImportSequence(to_context.get(), &response);
+  int64_t moved = 0;
+  bool first = true;
+  bool refused = false;  // the destination finished its import early
+  v1::ExportSequenceChunk chunk;
+  while (reader->Read(&chunk)) {
+    v1::ImportSequenceChunk out;
+    if (first) {
+      out.set_sequence_id(sequence_id);
+      out.set_length(chunk.length());
+      out.set_kv_cache_dtype(chunk.kv_cache_dtype());
+      *out.mutable_k_scale() = chunk.k_scale();
+      *out.mutable_v_scale() = chunk.v_scale();
+      first = false;
+    }
+    out.set_layer(chunk.layer());
+    out.set_first_token(chunk.first_token());
+    out.set_num_tokens(chunk.num_tokens());
+    moved += static_cast<int64_t>(chunk.k().size() + chunk.v().size());
+    out.set_allocated_k(chunk.release_k());
+    out.set_allocated_v(chunk.release_v());
+    if (!writer->Write(out)) {
+      refused = true;
+      from_context->TryCancel();
+      while (reader->Read(&chunk)) {}
+      break;
+    }
+  }
+  const grpc::Status exported = reader->Finish();
+  if (!refused && !exported.ok()) {
+    to_context->TryCancel();
+    (void)writer->Finish();
+    return FromGrpcStatus(exported);
+  }
+  writer->WritesDone();
+  grpc::Status imported = writer->Finish();
+  if (!imported.ok()) return FromGrpcStatus(imported);
+  if (bytes != nullptr) *bytes = moved;
+  return response.length();
+}
+
+absl::Status Client::OffloadSequence(uint64_t sequence_id) {
+  auto context = NewContext();
+  v1::OffloadSequenceRequest request;
+  request.set_sequence_id(sequence_id);
+  v1::OffloadSequenceResponse response;
+  return FromGrpcStatus(stub_->OffloadSequence(context.get(), request, &response));
+}
+
 absl::Status Client::RegisterSystemMemory(const std::string& name, const std::string& key,
                                           uint64_t offset, uint64_t byte_size) {
   auto context = NewContext();

@@ -117,6 +117,23 @@ class Client {
   absl::Status ForkSequence(uint64_t parent_id, uint64_t child_id);
   absl::Status ReleaseSequence(uint64_t sequence_id);
   absl::StatusOr<v1::GetStatsResponse> GetStats();
+  // KV beyond one pool. ExportSequence: every chunk of the sequence (layer by layer, at most
+  // 2 MiB of k and v each), in order; the first names the pages' type and fp8 scales. ImportSequence: streams `chunks` (e.g. another
+  // server's export; sequence_id and length are set on the first from `sequence_id` and the
+  // chunks' own length) and returns the committed length. Both use the options' timeout for
+  // the whole stream.
+  absl::StatusOr<std::vector<v1::ExportSequenceChunk>> ExportSequence(uint64_t sequence_id);
+  absl::StatusOr<int64_t> ImportSequence(uint64_t sequence_id,
+                                         const std::vector<v1::ExportSequenceChunk>& chunks);
+  // The raw stream, for callers that build chunks themselves (tests of bad streams).
+  absl::StatusOr<int64_t> ImportChunks(const std::vector<v1::ImportSequenceChunk>& chunks);
+  absl::Status OffloadSequence(uint64_t sequence_id);
+  // Streams the sequence's export from this client's server straight into `destination`'s
+  // import under the same id, chunk by chunk with both streams open (a migration); returns the
+  // committed length and, in *bytes (nullable), the K and V bytes moved. The destination keeps
+  // nothing on error (its import is cancelled or refused).
+  absl::StatusOr<int64_t> CopySequenceTo(uint64_t sequence_id, Client& destination,
+                                         int64_t* bytes = nullptr);
 
   // Tensors by reference: regions of this host's memory the server maps (see the proto).
   // key: a shared-memory object name (SharedMemoryRegion::key()); [offset, offset + byte_size)

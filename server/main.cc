@@ -114,6 +114,12 @@ ABSL_FLAG(int32_t, max_memory_regions, 256,
           "RESOURCE_EXHAUSTED");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10),
           "On SIGTERM/SIGINT, how long calls in progress and queued work may take to finish");
+ABSL_FLAG(int64_t, host_kv_bytes, 0,
+          "Bytes of host memory (pinned on CUDA) for the host tier of offloaded KV pages, in "
+          "pages of 128 KiB x num_layers; 0 = no host tier");
+ABSL_FLAG(std::string, kv_offload_policy, "none",
+          "none: a step without free pages is RESOURCE_EXHAUSTED; lru: it first offloads the "
+          "least recently used idle sequences to the host tier");
 
 namespace pagedattn {
 namespace {
@@ -328,6 +334,20 @@ int Serve() {
     return Fail("flags", absl::InvalidArgumentError("--completion_thread must be auto, on or off"));
   }
   engine_options.completion_thread = completion == "on" || (completion == "auto" && cuda);
+  {
+    const int64_t host_bytes = absl::GetFlag(FLAGS_host_kv_bytes);
+    const int64_t host_page_bytes = 2 * int64_t{engine_options.num_layers} * (64 * 4 * 128 * 2);
+    const std::string policy = absl::GetFlag(FLAGS_kv_offload_policy);
+    if (host_bytes < 0 || (host_bytes > 0 && host_bytes < host_page_bytes)) {
+      return Fail("flags", absl::InvalidArgumentError(
+                               "--host_kv_bytes must be 0 or at least one host page (128 KiB x num_layers)"));
+    }
+    if (policy != "none" && policy != "lru") {
+      return Fail("flags", absl::InvalidArgumentError("--kv_offload_policy must be none or lru"));
+    }
+    engine_options.host_pages = host_bytes / host_page_bytes;
+    engine_options.offload_lru = policy == "lru";
+  }
   absl::StatusOr<std::unique_ptr<Engine>> engine =
       Engine::Create(engine_options, *std::move(backend), &metrics);
   if (!engine.ok()) return Fail("engine", engine.status());

@@ -102,6 +102,17 @@ struct BackendBatch {
 // request, q, k and v are then one run of bytes, and output and lse another, in the order of
 // the CUDA backend's staging arena and output buffer (cuda_staging.h), so each direction moves
 // in one copy.
+// A run of `count` consecutive pages (ids page .. page+count-1) of one layer of the pool, and
+// host memory holding them in the same order: count * 64 KiB of K at `k` and of V at `v`
+// (each page [64, 4, 128] bf16, as in the pool). See Backend::ReadPages / WritePages.
+struct PageRun {
+  int32_t layer = 0;
+  int32_t page = 0;
+  int32_t count = 0;
+  char* k = nullptr;
+  char* v = nullptr;
+};
+
 struct DecodeBlockLayout {
   int64_t q = 0, k = 0, v = 0, output = 0, lse = 0, bytes = 0;
   static DecodeBlockLayout For(const kernels::Shape& model, int64_t num_sequences, bool with_kv);
@@ -173,7 +184,26 @@ class Backend {
   // without blocking on the device (it is done, or the backend failed). Never blocks; called
   // from the thread that calls Wait. A synchronous backend is always ready.
   virtual bool Ready(const BackendBatch& /*batch*/) { return true; }
+
+  // Page transfers between the pool and host memory (the engine's host tier, export and
+  // import). Called from the executor thread only, between launches: a transfer comes after
+  // every batch launched before it (it waits for them, or is ordered behind them on the
+  // device) and is complete when it returns, before any later Launch. One device copy per run
+  // (and per K/V) where the backend has a device. INTERNAL on a device error or a run outside
+  // the pool; the engine then turns unhealthy. The defaults are UNIMPLEMENTED.
+  //
+  // AllocateHostMemory: `bytes` of host memory owned by the backend until it is destroyed, the
+  // fastest the backend can copy to and from (pinned on CUDA). RESOURCE_EXHAUSTED when it
+  // cannot. Called once at start for the host tier.
+  virtual absl::StatusOr<char*> AllocateHostMemory(int64_t bytes);
+  // Pool -> host.
+  virtual absl::Status ReadPages(const std::vector<PageRun>& runs);
+  // Host -> pool.
+  virtual absl::Status WritePages(const std::vector<PageRun>& runs);
 };
+
+// Checks runs against the pool shape (layer, page range, pointers). INTERNAL when wrong.
+absl::Status ValidatePageRuns(const std::vector<PageRun>& runs, const Backend::PoolShape& shape);
 
 // Checks a batch against the pool shape before any backend touches memory: every page id,
 // slot and size in range, the plan well formed. INTERNAL with what is wrong. Both backends call

@@ -36,6 +36,10 @@ class CpuBackend final : public Backend {
   absl::Status Launch(BackendBatch* batch) override;
   absl::Status Wait(BackendBatch* batch) override;
   HostBlock TakeHostBlock(int64_t bytes) override;
+  // Page transfers (cpu_backend_pages.cc): plain memcpy; host memory is ordinary memory.
+  absl::StatusOr<char*> AllocateHostMemory(int64_t bytes) override;
+  absl::Status ReadPages(const std::vector<PageRun>& runs) override;
+  absl::Status WritePages(const std::vector<PageRun>& runs) override;
 
   // The ring of Options::host_ring_bytes (nullptr without one).
   const HostRing* host_ring() const { return ring_.get(); }
@@ -60,6 +64,7 @@ class CpuBackend final : public Backend {
   absl::Status last_launch_;            // what Wait reports
   std::unique_ptr<char[]> ring_memory_;  // aligned to HostRing::kAlignment inside
   std::unique_ptr<HostRing> ring_;
+  std::vector<std::unique_ptr<char[]>> host_memory_;  // AllocateHostMemory's
 };
 
 }  // namespace pagedattn

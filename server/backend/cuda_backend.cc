@@ -104,6 +104,9 @@ CudaBackend::Impl::~Impl() {
   }
   ring.reset();
   if (ring_memory != nullptr) cudaFreeHost(ring_memory);
+  if (transfer_stream != nullptr) cudaStreamSynchronize(transfer_stream);
+  for (char* p : host_allocations) cudaFreeHost(p);
+  if (transfer_stream != nullptr) cudaStreamDestroy(transfer_stream);
   if (k_pool != nullptr) cudaFree(k_pool);
   if (v_pool != nullptr) cudaFree(v_pool);
   if (shared_stream != nullptr) cudaStreamDestroy(shared_stream);

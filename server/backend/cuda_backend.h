@@ -158,6 +158,15 @@ class CudaBackend final : public Backend {
   absl::Status PinHostMemory(char* data, int64_t bytes) override;
   void UnpinHostMemory(char* data) override;
 
+  // Page transfers (backend.h), cuda_backend_pages.cc: pinned host memory (cudaHostAlloc), and
+  // one cudaMemcpyAsync per run and K/V on a transfer stream of their own, behind the pool work
+  // of every batch launched before (an event wait), synchronized before they return. Runs in
+  // pinned memory (the host tier) go at the copy engine's bandwidth; pageable memory (export
+  // and import buffers) goes through the runtime's staging.
+  absl::StatusOr<char*> AllocateHostMemory(int64_t bytes) override;
+  absl::Status ReadPages(const std::vector<PageRun>& runs) override;
+  absl::Status WritePages(const std::vector<PageRun>& runs) override;
+
   // Bytes of device memory Init takes beyond the pool (staging, outputs, decoder workspaces).
   int64_t staging_device_bytes() const;
 

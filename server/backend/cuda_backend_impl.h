@@ -124,6 +124,14 @@ struct CudaBackend::Impl {
   uint64_t ranges_version = 0;     // the version `ranges` was copied at
   std::vector<MemoryRange> ranges;  // Launch's copy; plan_options.ranges points here
 
+  // Page transfers (cuda_backend_pages.cc): their own stream, created at the first transfer,
+  // and the pinned memory AllocateHostMemory handed out; both freed in ~Impl.
+  cudaStream_t transfer_stream = nullptr;
+  std::vector<char*> host_allocations;
+  // Enqueues one cudaMemcpyAsync per run and K/V on transfer_stream behind the pool work of
+  // every batch launched so far, and waits for them.
+  absl::Status TransferPages(const std::vector<PageRun>& runs, bool to_host);
+
   ~Impl();
   absl::Status Fail(absl::Status s) {
     if (failed.ok()) failed = std::move(s);

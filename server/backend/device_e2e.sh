@@ -4,7 +4,10 @@
 #   server/backend/device_e2e.sh [BUNDLE]          (default .device/bundle)
 # Steps, in order (STEPS, default "tests server loadgen"):
 #   tests    the CUDA backend's test binaries (staging unit test, GPU test against the CPU
-#            backend and the engine, registered memory over CUDA IPC); with KERNEL_TESTS=1 also the kernel's GPU test (long)
+#            backend and the engine, registered memory over CUDA IPC, the KV tiers' page
+#            transfers); with KERNEL_TESTS=1 also the kernel's GPU test (long)
+#   tiers    the offload/restore bandwidth bench of a 32K-token sequence next to pinned
+#            cudaMemcpy (tier_bench.log)
 #   server   pagedattn-server --backend=cuda (pool sized by --gpu_memory_fraction), its health
 #            probe, a CLI round trip and a small loadgen run with the reference check; the
 #            server stays up for the next step
@@ -42,7 +45,8 @@ if has tests; then
   say "== tests"
   : > "$OUT/tests.log"
   # pagedattn_cuda_ipc_test finds its peer process beside it in the bundle.
-  tests=(pagedattn_cuda_staging_test pagedattn_cuda_backend_test pagedattn_cuda_ipc_test)
+  tests=(pagedattn_cuda_staging_test pagedattn_cuda_backend_test pagedattn_cuda_ipc_test
+         pagedattn_cuda_tiers_test)
   [[ ${KERNEL_TESTS:-0} == 1 ]] && tests+=(pagedattn_kernel_gpu_test)
   for t in "${tests[@]}"; do
     [[ -x $BIN/$t ]] || { say "skip $t (not in the bundle)"; continue; }
@@ -53,6 +57,17 @@ if has tests; then
     grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]" "$OUT/test.tmp" | sort -u >> "$LOG"
     rm -f "$OUT/test.tmp"
   done
+fi
+
+if has tiers; then
+  say "== tiers"
+  if [[ -x $BIN/pagedattn_cuda_tier_bench ]]; then
+    timeout "${TEST_TIMEOUT:-300}" "$BIN/pagedattn_cuda_tier_bench" 32768 1 20 > "$OUT/tier_bench.log" 2>&1
+    check pagedattn_cuda_tier_bench $?
+    cat "$OUT/tier_bench.log" >> "$LOG"
+  else
+    say "skip pagedattn_cuda_tier_bench (not in the bundle)"
+  fi
 fi
 
 server_pid=

@@ -39,6 +39,17 @@ void Admission::Append(AppendWork work, Engine::AppendDone done) {
   Enqueue(std::move(item));
 }
 
+void Admission::Task(std::function<absl::Status()> task,
+                     std::function<void(const absl::Status&)> done) {
+  auto item = std::make_unique<WorkItem>();
+  item->is_decode = false;
+  item->num_sequences = batcher_->options().max_batch_size;
+  item->sm_scale = 0.0f;
+  item->task = std::move(task);
+  item->task_done = std::move(done);
+  Enqueue(std::move(item));
+}
+
 void Admission::ReceiveIntoBlock(WorkItem* item) {
   DecodeWork& w = item->decode;
   // Only a request that carries all its tensors itself: views stay where the client put them.

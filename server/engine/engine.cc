@@ -1,6 +1,7 @@
 #include "server/engine/engine.h"
 
 #include <algorithm>
+#include <cassert>
 #include <limits>
 #include <mutex>
 #include <utility>
@@ -13,6 +14,7 @@
 #include "server/engine/admission.h"
 #include "server/engine/executor.h"
 #include "server/engine/step_builder.h"
+#include "server/engine/tiers.h"
 #include "server/kv/block_allocator.h"
 #include "server/kv/sequence_table.h"
 #include "server/memory/memory_registry.h"
@@ -66,6 +68,13 @@ class Engine::Impl {
   absl::Status ReleaseSequence(uint64_t id);
   void Decode(DecodeWork work, DecodeDone done) { admission_->Decode(std::move(work), std::move(done)); }
   void Append(AppendWork work, AppendDone done) { admission_->Append(std::move(work), std::move(done)); }
+  void ExportSequence(uint64_t id, ExportDone done);
+  void ImportSequence(uint64_t id, std::shared_ptr<const SequenceData> data, ImportDone done);
+  void OffloadSequence(uint64_t id, StatusDone done);
+  bool HasSequence(uint64_t id) const {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    return table_->Contains(id);
+  }
   void Shutdown(absl::Duration drain_timeout);
 
  private:
@@ -85,6 +94,7 @@ class Engine::Impl {
   std::unique_ptr<Batcher> batcher_;
   std::unique_ptr<Admission> admission_;
   std::unique_ptr<StepBuilder> step_builder_;  // executor thread only
+  std::unique_ptr<Tiers> tiers_;  // its calls: the executor, under state_mu_
   std::unique_ptr<Executor> executor_;
 
   mutable std::mutex state_mu_;
@@ -104,11 +114,6 @@ absl::Status Engine::Impl::Init() {
   absl::StatusOr<std::unique_ptr<BlockAllocator>> allocator =
       BlockAllocator::Create({.num_pages = options_.num_pages});
   if (!allocator.ok()) return allocator.status();
-  absl::StatusOr<std::unique_ptr<SequenceTable>> table =
-      SequenceTable::Create({.num_layers = options_.num_layers,
-                             .page_size = options_.model.page_size},
-                            allocator->get());
-  if (!table.ok()) return table.status();
   absl::StatusOr<std::unique_ptr<StepBuilder>> step_builder = StepBuilder::Create(
       {.num_layers = options_.num_layers, .num_pages = options_.num_pages,
        .model = options_.model},
@@ -132,11 +137,25 @@ absl::Status Engine::Impl::Init() {
   if (backend_->max_in_flight() < 1) {
     return absl::InvalidArgumentError("backend max_in_flight must be >= 1");
   }
+  absl::StatusOr<std::unique_ptr<Tiers>> tiers = Tiers::Create(
+      {.num_layers = options_.num_layers,
+       .model = options_.model,
+       .host_pages = options_.host_pages,
+       .offload_lru = options_.offload_lru,
+       .backend_failed = [this](const absl::Status& s) { MarkUnhealthy(s); }},
+      backend_.get(), metrics_);
+  if (!tiers.ok()) return tiers.status();
+  tiers_ = *std::move(tiers);
+  absl::StatusOr<std::unique_ptr<SequenceTable>> table = SequenceTable::Create(
+      {.num_layers = options_.num_layers, .page_size = options_.model.page_size},
+      allocator->get(), tiers_->host_allocator());
+  if (!table.ok()) return table.status();
   absl::StatusOr<std::unique_ptr<MemoryRegistry>> regions = MemoryRegistry::Create(
       {.max_regions = options_.max_memory_regions, .mapper = &mapper_});
   if (!regions.ok()) return regions.status();
   regions_ = *std::move(regions);
   step_builder_ = *std::move(step_builder);
+  step_builder_->set_tiers(tiers_.get());
   batcher_ = *std::move(batcher);
   admission_ =
       std::make_unique<Admission>(options_.model, backend_.get(), batcher_.get(), metrics_);
@@ -168,6 +187,8 @@ ModelConfig Engine::Impl::config() const {
   c.page_size = options_.model.page_size;
   c.dtype = options_.model.dtype;
   c.kv_cache_dtype = options_.model.kv_dtype;
+  c.k_scales = options_.k_scales;
+  c.v_scales = options_.v_scales;
   c.num_layers = options_.num_layers;
   c.num_pages = options_.num_pages;
   c.max_batch_size = options_.max_batch_size;
@@ -183,6 +204,11 @@ EngineStats Engine::Impl::GetStats() const {
     s.pages_free = allocator_->num_free();
     s.sequences = table_->num_sequences();
     s.tokens = table_->total_tokens();
+    s.sequences_offloaded = table_->num_offloaded();
+    if (BlockAllocator* host = tiers_->host_allocator(); host != nullptr) {
+      s.host_pages_total = host->num_pages();
+      s.host_pages_free = host->num_free();
+    }
   }
   s.queue_depth = batcher_->depth();
   s.batches = executor_->batches();
@@ -207,6 +233,55 @@ void Engine::Impl::PublishPoolLocked() {
   if (metrics_ == nullptr) return;
   metrics_->SetPool(allocator_->num_pages(), allocator_->num_free(), table_->num_sequences(),
                     table_->total_tokens());
+  if (BlockAllocator* host = tiers_->host_allocator(); host != nullptr) {
+    metrics_->SetHostTier(host->num_pages(), host->num_free(), table_->num_offloaded());
+  }
+}
+
+void Engine::Impl::ExportSequence(uint64_t id, ExportDone done) {
+  auto data = std::make_shared<std::shared_ptr<const SequenceData>>();
+  admission_->Task(
+      [this, id, data]() -> absl::Status {
+        absl::StatusOr<std::shared_ptr<const SequenceData>> d = tiers_->Export(*table_, id);
+        if (!d.ok()) return d.status();
+        *data = *std::move(d);
+        return absl::OkStatus();
+      },
+      [data, done = std::move(done)](const absl::Status& s) {
+        if (s.ok()) {
+          done(std::move(*data));
+        } else {
+          done(s);
+        }
+      });
+}
+
+void Engine::Impl::ImportSequence(uint64_t id, std::shared_ptr<const SequenceData> data,
+                                  ImportDone done) {
+  assert(data != nullptr && data->num_layers == options_.num_layers);
+  admission_->Task(
+      [this, id, data]() -> absl::Status {
+        absl::StatusOr<int64_t> length = tiers_->Import(*table_, *allocator_, id, *data);
+        if (length.ok()) PublishPoolLocked();
+        return length.status();
+      },
+      [data, done = std::move(done)](const absl::Status& s) {
+        if (s.ok()) {
+          done(data->length);
+        } else {
+          done(s);
+        }
+      });
+}
+
+void Engine::Impl::OffloadSequence(uint64_t id, StatusDone done) {
+  admission_->Task(
+      [this, id]() -> absl::Status {
+        absl::Status s = tiers_->Offload(*table_, id);
+        if (s.ok()) PublishPoolLocked();
+        return s;
+      },
+      [done = std::move(done)](const absl::Status& s) { done(s); });
 }
 
 absl::Status Engine::Impl::CreateSequence(uint64_t id) {
@@ -304,5 +379,15 @@ void Engine::Append(AppendWork work, AppendDone done) {
   impl_->Append(std::move(work), std::move(done));
 }
 void Engine::Shutdown(absl::Duration drain_timeout) { impl_->Shutdown(drain_timeout); }
+void Engine::ExportSequence(uint64_t id, ExportDone done) {
+  impl_->ExportSequence(id, std::move(done));
+}
+void Engine::ImportSequence(uint64_t id, std::shared_ptr<const SequenceData> data, ImportDone done) {
+  impl_->ImportSequence(id, std::move(data), std::move(done));
+}
+void Engine::OffloadSequence(uint64_t id, StatusDone done) {
+  impl_->OffloadSequence(id, std::move(done));
+}
+bool Engine::HasSequence(uint64_t id) const { return impl_->HasSequence(id); }
 
 }  // namespace pagedattn

@@ -76,6 +76,7 @@ struct ModelConfig {
   int32_t page_size = 0;
   kernels::DType dtype = kernels::DType::kBf16;     // q, k/v rows and output
   kernels::DType kv_cache_dtype = kernels::DType::kBf16;  // the pages
+  std::vector<float> k_scales, v_scales;  // fp8 pages: per layer (empty: 1.0)
   int32_t num_layers = 0;
   int64_t num_pages = 0;
   int32_t max_batch_size = 0;
@@ -92,6 +93,29 @@ struct EngineStats {
   int64_t decoded_sequences = 0; // sequence-decodes computed so far
   bool healthy = true;
   bool accepting = true;         // admission open (false once Shutdown began)
+  int64_t sequences_offloaded = 0;  // live sequences in the host tier
+  int64_t host_pages_total = 0;     // host tier pages (0 without one)
+  int64_t host_pages_free = 0;
+};
+
+// A sequence's committed tokens, every layer, as the pool stores them (ExportSequence and
+// ImportSequence): layer l's K is k(l), [pages * page_size, num_kv_heads, head_dim] in the
+// pages' element type, the layer's pages in token order; rows past `length` are undefined.
+// V likewise.
+struct SequenceData {
+  int64_t length = 0;
+  int32_t num_layers = 0;
+  int64_t num_pages = 0;               // ceil(length / page_size)
+  int32_t page_size = 0;               // tokens per page
+  int64_t page_bytes = 0;              // one page of K (or V) as stored
+  std::unique_ptr<char[]> bytes;       // [num_layers][K, V][num_pages * page_bytes]
+  // Allocates (uninitialized) for `length` tokens of `num_layers` layers in pages of `model`.
+  // RESOURCE_EXHAUSTED when the memory is not there.
+  absl::Status Allocate(int32_t layers, int64_t tokens, const kernels::Shape& model);
+  int64_t layer_bytes() const { return num_pages * page_bytes; }
+  int64_t row_bytes() const { return page_bytes / page_size; }  // one token's K (or V)
+  char* k(int32_t layer) const { return bytes.get() + (2 * int64_t{layer}) * layer_bytes(); }
+  char* v(int32_t layer) const { return bytes.get() + (2 * int64_t{layer} + 1) * layer_bytes(); }
 };
 
 // Set by the RPC layer when the caller goes away; checked before compute.
@@ -153,6 +177,12 @@ class Engine {
     // The time source of deadlines, the queue delay and the drain timeout (stage and latency
     // metrics are measured on the real clock). null: Clock::Real(). Outlives the engine.
     Clock* clock = nullptr;
+    // Host tier: pages of host memory (the backend's AllocateHostMemory: pinned on CUDA) for
+    // offloaded sequences; a host page holds one page id's K and V of every layer. 0: none.
+    int64_t host_pages = 0;
+    // With a host tier: a step (or import) that lacks free pages first offloads the least
+    // recently used idle sequences (see tiers.h) instead of failing RESOURCE_EXHAUSTED.
+    bool offload_lru = false;
   };
 
   // INVALID_ARGUMENT for bad options; whatever the backend's pool allocation returns.
@@ -177,6 +207,26 @@ class Engine {
   using AppendDone = std::function<void(absl::StatusOr<int64_t>)>;  // committed length after
   void Decode(DecodeWork work, DecodeDone done);
   void Append(AppendWork work, AppendDone done);
+
+  // KV beyond the pool (tiers.h). Each runs on the executor in admission order, after the work
+  // admitted before it, as a batch of its own; `done` runs like a Decode's callback (UNAVAILABLE
+  // when shutting down, INTERNAL after a backend failure).
+  //
+  // ExportSequence: the sequence's committed tokens of every layer (read from the host tier
+  // when offloaded; it stays there). NOT_FOUND, FAILED_PRECONDITION (mid-step).
+  using ExportDone = std::function<void(absl::StatusOr<std::shared_ptr<const SequenceData>>)>;
+  void ExportSequence(uint64_t sequence_id, ExportDone done);
+  // ImportSequence: a new sequence of data->length committed tokens holding `data` (num_layers
+  // must be the engine's: the service checks it). ALREADY_EXISTS, RESOURCE_EXHAUSTED (pages; with
+  // offload_lru, after offloading what it can). The committed length on success.
+  using ImportDone = std::function<void(absl::StatusOr<int64_t>)>;
+  void ImportSequence(uint64_t sequence_id, std::shared_ptr<const SequenceData> data, ImportDone done);
+  // OffloadSequence: moves an idle sequence to the host tier (OK when it is there already).
+  // FAILED_PRECONDITION (no host tier, or mid-step), NOT_FOUND, RESOURCE_EXHAUSTED (host full).
+  using StatusDone = std::function<void(absl::Status)>;
+  void OffloadSequence(uint64_t sequence_id, StatusDone done);
+  // Whether the id is in use now (a hint for early checks: it may change at once).
+  bool HasSequence(uint64_t sequence_id) const;
 
   // Stops admission (UNAVAILABLE from then on), lets queued work finish for up to
   // drain_timeout, fails what is left with UNAVAILABLE, and joins the executor. Idempotent.

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "pagedattn/kernels/decode.h"
+#include "server/engine/tiers.h"
 
 namespace pagedattn {
 
@@ -38,15 +39,31 @@ void StepBuilder::Build(const Gate& gate, SequenceTable& table, BlockAllocator& 
     } else if (item->cancelled() != nullptr && item->cancelled()->load()) {
       Reject("cancelled");
       item->status = absl::CancelledError("cancelled before it ran");
+    } else if (item->task) {
+      item->status = item->task();
     } else {
-      item->status = item->is_decode ? AddDecode(table, allocator, item.get(), &batch)
-                                     : AddAppend(table, item.get(), &batch);
+      item->status = Prepare(table, allocator, *item, *in);
+      if (item->status.ok()) {
+        item->status = item->is_decode ? AddDecode(table, allocator, item.get(), &batch)
+                                       : AddAppend(table, item.get(), &batch);
+      }
       if (absl::IsResourceExhausted(item->status)) Reject("pool_exhausted");
       item->in_launch = item->status.ok();
     }
   }
   // Only a batch that writes tokens can use it.
   batch.sequences_distinct = !batch.writes.empty() && SequencesDistinct(*in);
+}
+
+absl::Status StepBuilder::Prepare(SequenceTable& table, BlockAllocator& allocator,
+                                  const WorkItem& item, const InFlight& in) {
+  if (tiers_ == nullptr) return absl::OkStatus();
+  if (item.is_decode) {
+    return tiers_->PrepareItem(table, allocator, item.decode.sequence_ids, item.decode.layer,
+                               item.decode_kv ? 1 : 0, in);
+  }
+  return tiers_->PrepareItem(table, allocator, absl::MakeConstSpan(&item.append.sequence_id, 1),
+                             item.append.layer, item.append.num_tokens, in);
 }
 
 int64_t StepBuilder::Slot(int32_t layer, absl::Span<const int32_t> pages, int64_t pos) const {
@@ -69,6 +86,8 @@ absl::Status StepBuilder::AddDecode(SequenceTable& table, BlockAllocator& alloca
       needed += *n;
     } else if (!table.Contains(id)) {
       return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
+    } else if (table.IsOffloaded(id)) {
+      return absl::FailedPreconditionError(absl::StrCat("sequence ", id, " is offloaded"));
     }
   }
   if (needed > allocator.num_free()) {
@@ -123,6 +142,7 @@ absl::Status StepBuilder::AddDecode(SequenceTable& table, BlockAllocator& alloca
       tokens = r->visible_tokens;
     } else {
       tokens = table.Get(id)->length;
+      table.Touch(id);
     }
     absl::StatusOr<SequenceTable::View> view = table.Get(id);
     if (absl::Status s = planner_->AddSequence(w.layer, view->pages, tokens, &batch->plan); !s.ok()) {

@@ -26,6 +26,8 @@
 
 namespace pagedattn {
 
+class Tiers;
+
 class StepBuilder {
  public:
   struct Options {
@@ -51,6 +53,10 @@ class StepBuilder {
   // first), including sequences_distinct.
   void Build(const Gate& gate, SequenceTable& table, BlockAllocator& allocator, InFlight* in);
 
+  // Tiers (nullable, outlives the builder): each Decode and AppendKV has its offloaded
+  // sequences restored (and room made) by Tiers::PrepareItem before it is applied.
+  void set_tiers(Tiers* tiers) { tiers_ = tiers; }
+
  private:
   StepBuilder(const Options& options, std::unique_ptr<Planner> planner, Metrics* metrics)
       : options_(options), planner_(std::move(planner)), metrics_(metrics) {}
@@ -58,6 +64,9 @@ class StepBuilder {
   absl::Status AddDecode(SequenceTable& table, BlockAllocator& allocator, WorkItem* item,
                          BackendBatch* batch);
   absl::Status AddAppend(SequenceTable& table, WorkItem* item, BackendBatch* batch);
+  // Tiers::PrepareItem for the item (OK without tiers).
+  absl::Status Prepare(SequenceTable& table, BlockAllocator& allocator, const WorkItem& item,
+                       const InFlight& in);
   // The pool slot of token `pos` of a sequence whose pages (at `layer`) are `pages`.
   int64_t Slot(int32_t layer, absl::Span<const int32_t> pages, int64_t pos) const;
   // Whether no (sequence, layer) has two of the batch's applied items.
@@ -70,6 +79,7 @@ class StepBuilder {
   const std::unique_ptr<Planner> planner_;
   Metrics* const metrics_;
   std::vector<std::pair<uint64_t, int32_t>> keys_;  // scratch of SequencesDistinct
+  Tiers* tiers_ = nullptr;
 };
 
 }  // namespace pagedattn

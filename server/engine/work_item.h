@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -26,6 +27,10 @@ struct WorkItem final : BatchItem {
   Engine::DecodeDone decode_done;
   AppendWork append;
   Engine::AppendDone append_done;
+  // A task (export, import, offload): run by the step builder under the state lock in place of
+  // a Decode or AppendKV, alone in its batch; task_done gets its status.
+  std::function<absl::Status()> task;
+  std::function<void(const absl::Status&)> task_done;
 
   absl::Status status;     // the item's outcome (OK: computed with the batch)
   bool in_launch = false;  // part of the backend batch
@@ -38,7 +43,9 @@ struct WorkItem final : BatchItem {
   // Runs the callback with the outcome (outputs copied out of the host block, which goes back
   // to the backend before the response does). At most once per item.
   void Complete() {
-    if (is_decode) {
+    if (task) {
+      if (task_done) task_done(status);
+    } else if (is_decode) {
       if (!decode_done) return;
       if (status.ok() && block) {
         output.output.assign(block.data() + layout.output, layout.lse - layout.output);

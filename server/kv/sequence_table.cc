@@ -1,14 +1,43 @@
 #include "server/kv/sequence_table.h"
 
+#include <algorithm>
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 
 namespace pagedattn {
+
 absl::StatusOr<std::unique_ptr<SequenceTable>> SequenceTable::Create(const Options& options,
-                                                                     BlockAllocator* allocator) {
+                                                                     BlockAllocator* allocator,
+                                                                     BlockAllocator* host_allocator) {
   if (options.num_layers <= 0) return absl::InvalidArgumentError("num_layers must be > 0");
   if (options.page_size <= 0) return absl::InvalidArgumentError("page_size must be > 0");
   if (allocator == nullptr) return absl::InvalidArgumentError("allocator is null");
-  return std::unique_ptr<SequenceTable>(new SequenceTable(options, allocator));
+  return std::unique_ptr<SequenceTable>(new SequenceTable(options, allocator, host_allocator));
+}
+
+bool SequenceTable::IsOffloaded(uint64_t id) const {
+  auto it = sequences_.find(id);
+  return it != sequences_.end() && it->second.offloaded;
+}
+
+absl::Status SequenceTable::UnrefPage(int32_t page, bool host) {
+  BlockAllocator* tier = host ? host_allocator_ : allocator_;
+  absl::StatusOr<bool> freed = tier->Unref(page);
+  if (!freed.ok()) return freed.status();
+  if (*freed) {
+    auto& from = host ? host_to_device_ : device_to_host_;
+    auto& to = host ? device_to_host_ : host_to_device_;
+    if (auto link = from.find(page); link != from.end()) {
+      to.erase(link->second);
+      from.erase(link);
+    }
+  }
+  return absl::OkStatus();
+}
+
+void SequenceTable::Touch(uint64_t id) {
+  if (auto it = sequences_.find(id); it != sequences_.end()) it->second.last_used = ++use_clock_;
 }
 
 absl::Status SequenceTable::Add(uint64_t id) {
@@ -32,16 +61,19 @@ absl::Status SequenceTable::Fork(uint64_t parent, uint64_t child) {
                      "): fork between steps"));
   }
   // Check every page first so that a failure (which would be a bookkeeping bug) changes nothing.
+  BlockAllocator* tier = TierOf(it->second);
   for (int32_t page : it->second.pages) {
-    if (allocator_->ref_count(page) <= 0) {
+    if (tier->ref_count(page) <= 0) {
       return absl::InternalError(absl::StrCat("sequence ", parent, " holds free page ", page));
     }
   }
   Sequence copy = it->second;  // `it` may be invalidated by the insertion below
   for (int32_t page : copy.pages) {
-    if (absl::Status s = allocator_->AddRef(page); !s.ok()) return s;
+    if (absl::Status s = tier->AddRef(page); !s.ok()) return s;
   }
+  copy.last_used = ++use_clock_;
   total_tokens_ += copy.length;
+  if (copy.offloaded) ++num_offloaded_;
   sequences_.emplace(child, std::move(copy));
   return absl::OkStatus();
 }
@@ -51,9 +83,10 @@ absl::Status SequenceTable::Remove(uint64_t id) {
   if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
   absl::Status result;
   for (int32_t page : it->second.pages) {
-    if (absl::StatusOr<bool> freed = allocator_->Unref(page); !freed.ok()) result = freed.status();
+    if (absl::Status s = UnrefPage(page, it->second.offloaded); !s.ok()) result = s;
   }
   total_tokens_ -= it->second.length;
+  if (it->second.offloaded) --num_offloaded_;
   sequences_.erase(it);
   return result;
 }
@@ -62,7 +95,7 @@ absl::StatusOr<SequenceTable::View> SequenceTable::Get(uint64_t id) const {
   auto it = sequences_.find(id);
   if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
   const Sequence& seq = it->second;
-  return View{seq.pages, seq.length, seq.step_tokens, seq.next_layer};
+  return View{seq.pages, seq.length, seq.step_tokens, seq.next_layer, seq.offloaded};
 }
 
 bool SequenceTable::NeedsCopyOnWrite(const Sequence& seq) const {
@@ -80,6 +113,10 @@ absl::StatusOr<int64_t> SequenceTable::CheckStep(uint64_t id, int32_t layer,
   if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
   const Sequence& seq = it->second;
   if (layer == 0) {
+    if (seq.offloaded) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence ", id, " is offloaded: restore it before a step"));
+    }
     if (seq.step_tokens != 0) {
       return absl::FailedPreconditionError(
           absl::StrCat("sequence ", id, ": a step is in progress, expected layer ", seq.next_layer));
@@ -114,6 +151,7 @@ absl::StatusOr<SequenceTable::StepResult> SequenceTable::ApplyStep(uint64_t id, 
                                                      " free"));
   }
   Sequence& seq = sequences_.find(id)->second;
+  seq.last_used = ++use_clock_;
   if (layer == 0) {
     const bool cow = NeedsCopyOnWrite(seq);
     std::vector<int32_t> fresh;
@@ -127,6 +165,13 @@ absl::StatusOr<SequenceTable::StepResult> SequenceTable::ApplyStep(uint64_t id, 
       // The page was shared (count > 1), so this only drops our reference.
       (void)allocator_->Unref(shared);
       seq.pages.back() = copy;
+    }
+    if (!cow && seq.length % page_size_ != 0) {
+      // The step writes into this page past its tokens: a host copy of it no longer matches.
+      if (auto link = device_to_host_.find(seq.pages.back()); link != device_to_host_.end()) {
+        host_to_device_.erase(link->second);
+        device_to_host_.erase(link);
+      }
     }
     seq.pages.insert(seq.pages.end(), fresh.begin() + next, fresh.end());
     seq.step_tokens = num_tokens;
@@ -144,6 +189,26 @@ absl::StatusOr<SequenceTable::StepResult> SequenceTable::ApplyStep(uint64_t id, 
   }
   result.length = seq.length;
   return result;
+}
+
+absl::Status SequenceTable::Import(uint64_t id, int64_t length, std::vector<int32_t>* pages) {
+  if (sequences_.contains(id)) {
+    return absl::AlreadyExistsError(absl::StrCat("sequence ", id, " already exists"));
+  }
+  const int64_t needed = PagesFor(length);
+  if (needed > allocator_->num_free()) {
+    return absl::ResourceExhaustedError(absl::StrCat("import of ", length, " tokens needs ", needed,
+                                                     " free KV pages, ", allocator_->num_free(),
+                                                     " free"));
+  }
+  Sequence seq;
+  if (absl::Status s = allocator_->Allocate(needed, &seq.pages); !s.ok()) return s;
+  seq.length = length;
+  seq.last_used = ++use_clock_;
+  pages->insert(pages->end(), seq.pages.begin(), seq.pages.end());
+  total_tokens_ += length;
+  sequences_.emplace(id, std::move(seq));
+  return absl::OkStatus();
 }
 
 }  // namespace pagedattn

@@ -51,6 +51,8 @@ std::string_view Metrics::StageName(Stage stage) {
       return "receive";
     case Stage::kPlan:
       return "launch_plan";
+    case Stage::kRestore:
+      return "restore";
   }
   return "unknown";
 }
@@ -136,13 +138,46 @@ Metrics::Metrics()
                            "launch and wait), device_in (on the device: a batch's input copy "
                            "to its attention) and device_out (its attention's end to the "
                            "outputs in host memory) per batch of a staging backend; receive "
-                           "(a Decode's tensors copied into a pinned host block, per request)")
+                           "(a Decode's tensors copied into a pinned host block, per request); restore "
+                           "(a sequence brought back from the host tier, per sequence)")
                      .Register(*registry_);
   for (int i = 0; i < kNumStages; ++i) {
     stage_duration_[i] =
         &stages.Add({{"stage", std::string(StageName(static_cast<Stage>(i)))}}, LatencyBuckets());
   }
   for (std::string_view reason : kRejectReasons) rejected_.Add({{"reason", std::string(reason)}});
+  offloads_ = &prometheus::BuildCounter()
+                   .Name("pagedattn_kv_offloads_total")
+                   .Help("Sequences moved from the KV pool to the host tier")
+                   .Register(*registry_)
+                   .Add({});
+  restores_ = &prometheus::BuildCounter()
+                   .Name("pagedattn_kv_restores_total")
+                   .Help("Sequences moved back from the host tier to the KV pool")
+                   .Register(*registry_)
+                   .Add({});
+  auto& tier_bytes = prometheus::BuildCounter()
+                         .Name("pagedattn_kv_tier_bytes_total")
+                         .Help("K and V bytes copied between the KV pool and the host tier, by "
+                               "direction (to_host: offloads, to_device: restores)")
+                         .Register(*registry_);
+  bytes_to_host_ = &tier_bytes.Add({{"direction", "to_host"}});
+  bytes_to_device_ = &tier_bytes.Add({{"direction", "to_device"}});
+  host_pages_total_ = &prometheus::BuildGauge()
+                           .Name("pagedattn_host_kv_pages_total")
+                           .Help("Pages of the host tier (each one page id's K and V of every layer)")
+                           .Register(*registry_)
+                           .Add({});
+  host_pages_free_ = &prometheus::BuildGauge()
+                          .Name("pagedattn_host_kv_pages_free")
+                          .Help("Free pages of the host tier")
+                          .Register(*registry_)
+                          .Add({});
+  sequences_offloaded_ = &prometheus::BuildGauge()
+                              .Name("pagedattn_sequences_offloaded")
+                              .Help("Live sequences whose pages are in the host tier")
+                              .Register(*registry_)
+                              .Add({});
 }
 
 prometheus::Histogram* Metrics::DurationOf(std::string_view method) {
@@ -200,5 +235,21 @@ void Metrics::SetPool(int64_t pages_total, int64_t pages_free, int64_t sequences
 }
 
 void Metrics::SetBackendHealthy(bool healthy) { backend_healthy_.Set(healthy ? 1 : 0); }
+
+void Metrics::RecordOffload(int64_t bytes) {
+  offloads_->Increment();
+  bytes_to_host_->Increment(static_cast<double>(bytes));
+}
+
+void Metrics::RecordRestore(int64_t bytes) {
+  restores_->Increment();
+  bytes_to_device_->Increment(static_cast<double>(bytes));
+}
+
+void Metrics::SetHostTier(int64_t pages_total, int64_t pages_free, int64_t sequences_offloaded) {
+  host_pages_total_->Set(static_cast<double>(pages_total));
+  host_pages_free_->Set(static_cast<double>(pages_free));
+  sequences_offloaded_->Set(static_cast<double>(sequences_offloaded));
+}
 
 }  // namespace pagedattn

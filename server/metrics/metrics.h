@@ -34,6 +34,7 @@ class Metrics {
   // the device (CUDA events). The last four only with a backend that stages (the CUDA one).
   // kReceive: per Decode that got a host block (Backend::TakeHostBlock), the copy of its
   // tensors into the block on the caller's thread, before admission.
+  // kRestore: per sequence brought back from the host tier before its work (on the executor).
   enum class Stage {
     kToWork,
     kPrepare,
@@ -46,9 +47,10 @@ class Metrics {
     kDeviceIn,
     kDeviceOut,
     kReceive,
-    kPlan
+    kPlan,
+    kRestore
   };
-  static constexpr int kNumStages = 12;
+  static constexpr int kNumStages = 13;
   static std::string_view StageName(Stage stage);
 
   Metrics();
@@ -90,6 +92,12 @@ class Metrics {
   void SetPool(int64_t pages_total, int64_t pages_free, int64_t sequences, int64_t tokens);
   // pagedattn_backend_healthy: 1 while the backend works, 0 after a device error.
   void SetBackendHealthy(bool healthy);
+  // The host tier: pagedattn_kv_offloads_total / pagedattn_kv_restores_total (sequences moved),
+  // pagedattn_kv_tier_bytes_total{direction="to_host"|"to_device"} (K and V bytes copied),
+  // pagedattn_host_kv_pages_total, pagedattn_host_kv_pages_free, pagedattn_sequences_offloaded.
+  void RecordOffload(int64_t bytes);
+  void RecordRestore(int64_t bytes);
+  void SetHostTier(int64_t pages_total, int64_t pages_free, int64_t sequences_offloaded);
 
   // Bucket bounds, in seconds: 1 us to 10 s, three per decade.
   static prometheus::Histogram::BucketBoundaries LatencyBuckets();
@@ -113,6 +121,13 @@ class Metrics {
   prometheus::Gauge& sequences_;
   prometheus::Gauge& tokens_;
   prometheus::Gauge& backend_healthy_;
+  prometheus::Counter* offloads_ = nullptr;
+  prometheus::Counter* restores_ = nullptr;
+  prometheus::Counter* bytes_to_host_ = nullptr;
+  prometheus::Counter* bytes_to_device_ = nullptr;
+  prometheus::Gauge* host_pages_total_ = nullptr;
+  prometheus::Gauge* host_pages_free_ = nullptr;
+  prometheus::Gauge* sequences_offloaded_ = nullptr;
 
   prometheus::Histogram* DurationOf(std::string_view method);
 

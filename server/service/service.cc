@@ -15,6 +15,7 @@
 #include "server/metrics/metrics.h"
 #include "server/service/decode_stream_reactor.h"
 #include "server/service/status.h"
+#include "server/service/transfer_reactors.h"
 #include "server/service/unary_call.h"
 #include "server/service/validation.h"
 
@@ -26,6 +27,14 @@ namespace {
 class RejectedStream final : public grpc::ServerBidiReactor<v1::DecodeRequest, v1::DecodeResponse> {
  public:
   explicit RejectedStream(const grpc::Status& status) { Finish(status); }
+  void OnDone() override { delete this; }
+};
+
+// A streaming call refused before it starts (the token check): finishes with `status` at once.
+template <typename Base>
+class Rejected final : public Base {
+ public:
+  explicit Rejected(const grpc::Status& status) { this->Finish(status); }
   void OnDone() override { delete this; }
 };
 
@@ -54,7 +63,7 @@ PagedAttentionService::PagedAttentionService(const Options& options, Engine* eng
   for (std::string_view method :
        {"GetModelConfig", "CreateSequence", "AppendKV", "Decode", "DecodeStream", "ForkSequence",
         "ReleaseSequence", "GetStats", "RegisterSystemMemory", "RegisterCudaMemory",
-        "UnregisterMemory", "ListMemory"}) {
+        "UnregisterMemory", "ListMemory", "ExportSequence", "ImportSequence", "OffloadSequence"}) {
     metrics_->DeclareMethod(method, codes);
   }
 }
@@ -191,6 +200,9 @@ grpc::ServerUnaryReactor* PagedAttentionService::GetStats(grpc::CallbackServerCo
     response->set_batches(stats.batches);
     response->set_decoded_sequences(stats.decoded_sequences);
     response->set_healthy(stats.healthy);
+    response->set_sequences_offloaded(stats.sequences_offloaded);
+    response->set_host_pages_total(stats.host_pages_total);
+    response->set_host_pages_free(stats.host_pages_free);
     call->Complete(absl::OkStatus());
   });
 }
@@ -283,6 +295,41 @@ grpc::ServerUnaryReactor* PagedAttentionService::ListMemory(grpc::CallbackServer
       region->set_device_id(info.device);
     }
     call->Complete(absl::OkStatus());
+  });
+}
+
+template <typename Reactor>
+Reactor* PagedAttentionService::RejectUnauthenticated(grpc::CallbackServerContext* context,
+                                                      std::string_view method) {
+  absl::Status status = auth_.Check(*context);
+  if (status.ok()) return nullptr;
+  if (metrics_ != nullptr) {
+    metrics_->RecordRejected("unauthenticated");
+    metrics_->RecordRequest(method, StatusCodeName(status.code()), 0.0);
+  }
+  return new Rejected<Reactor>(ToGrpcStatus(status));
+}
+
+grpc::ServerWriteReactor<v1::ExportSequenceChunk>* PagedAttentionService::ExportSequence(
+    grpc::CallbackServerContext* context, const v1::ExportSequenceRequest* request) {
+  using Reactor = grpc::ServerWriteReactor<v1::ExportSequenceChunk>;
+  if (Reactor* rejected = RejectUnauthenticated<Reactor>(context, "ExportSequence")) return rejected;
+  return new ExportReactor(engine_, request->sequence_id(), metrics_, &calls_);
+}
+
+grpc::ServerReadReactor<v1::ImportSequenceChunk>* PagedAttentionService::ImportSequence(
+    grpc::CallbackServerContext* context, v1::ImportSequenceResponse* response) {
+  using Reactor = grpc::ServerReadReactor<v1::ImportSequenceChunk>;
+  if (Reactor* rejected = RejectUnauthenticated<Reactor>(context, "ImportSequence")) return rejected;
+  return new ImportReactor(context, engine_, config_, response, metrics_, &calls_);
+}
+
+grpc::ServerUnaryReactor* PagedAttentionService::OffloadSequence(
+    grpc::CallbackServerContext* context, const v1::OffloadSequenceRequest* request,
+    v1::OffloadSequenceResponse* /*response*/) {
+  return Unary(context, "OffloadSequence", [&](UnaryCall* call) {
+    engine_->OffloadSequence(request->sequence_id(),
+                             [call](const absl::Status& s) { call->Complete(s); });
   });
 }
 

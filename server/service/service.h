@@ -78,6 +78,15 @@ class PagedAttentionService final : public v1::PagedAttention::CallbackService {
                                        v1::ListMemoryResponse* response) override;
   static constexpr absl::Duration kMaxUnregisterWait = absl::Seconds(60);
 
+  // KV beyond one pool (transfer_reactors.h, Engine::ExportSequence and the rest).
+  grpc::ServerWriteReactor<v1::ExportSequenceChunk>* ExportSequence(
+      grpc::CallbackServerContext* context, const v1::ExportSequenceRequest* request) override;
+  grpc::ServerReadReactor<v1::ImportSequenceChunk>* ImportSequence(
+      grpc::CallbackServerContext* context, v1::ImportSequenceResponse* response) override;
+  grpc::ServerUnaryReactor* OffloadSequence(grpc::CallbackServerContext* context,
+                                            const v1::OffloadSequenceRequest* request,
+                                            v1::OffloadSequenceResponse* response) override;
+
   // Unary calls and DecodeStream messages whose response is not yet sent.
   CallCounter& calls() { return calls_; }
 
@@ -90,6 +99,10 @@ class PagedAttentionService final : public v1::PagedAttention::CallbackService {
   template <typename Body>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, std::string_view method,
                                   Body body);
+  // The prologue of a streaming handler: null when the token check passes, else a reactor
+  // finished UNAUTHENTICATED (counted like the unary ones).
+  template <typename Reactor>
+  Reactor* RejectUnauthenticated(grpc::CallbackServerContext* context, std::string_view method);
   // pagedattn_stage_duration_seconds{stage="to_work"}: from `start` to now.
   void RecordToWork(absl::Time start);
 

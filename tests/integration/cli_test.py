@@ -63,6 +63,45 @@ def main():
         assert len(data) == 24 * 128 * 2, len(data)
         assert any(v != 0.0 for v in t.decode_bf16(data)), "all-zero output"
 
+        # Export to a file, import as another sequence: the same decode, bit for bit.
+        exported = os.path.join(work, "seq5.kv")
+        out, _ = run(["export", "5", exported])
+        assert "71 tokens exported" in out and "(2 chunks)" in out, out
+        out, _ = run(["import", "7", exported])
+        assert "71 tokens imported" in out, out
+        _, err = run(["import", "7", exported], code=1)
+        assert "ALREADY_EXISTS" in err, err
+        qb, _ = t.random_bf16(24 * 128, rng)
+        qfile = os.path.join(work, "q.bin")
+        with open(qfile, "wb") as f:
+            f.write(qb)
+        outs = []
+        for sid in ("5", "7"):
+            path = os.path.join(work, f"out{sid}.bin")
+            run(["decode", sid, "--layer=1", f"--q_file={qfile}", f"--output_file={path}"])
+            outs.append(open(path, "rb").read())
+        assert outs[0] == outs[1] and len(outs[0]) == 24 * 128 * 2, "import decodes differently"
+        _, err = run(["offload", "7"], code=1)
+        assert "FAILED_PRECONDITION" in err, err  # no host tier on this server
+        with open(os.path.join(work, "junk.kv"), "wb") as f:
+            f.write(b"\xff" * 7)
+        run(["import", "8", os.path.join(work, "junk.kv")], code=1)
+        run(["release", "7"])
+        # migrate: straight from this server into another one, timed.
+        with t.Server(args.server, ["--num_pages=16", "--num_layers=2", "--cpu_threads=2"]) as other:
+            out, _ = run(["migrate", "5", other.target])
+            assert "sequence 5: 71 tokens" in out and "migrated in" in out, out
+            theirs = json.loads(subprocess.run([args.cli, f"--target={other.target}", "stats"],
+                                               capture_output=True, text=True, timeout=60).stdout)
+            assert int(theirs["sequences"]) == 1 and int(theirs["tokens"]) == 71, theirs
+            _, err = run(["migrate", "5", other.target], code=1)
+            assert "ALREADY_EXISTS" in err, err
+            _, err = run(["migrate", "99", other.target], code=1)
+            assert "NOT_FOUND" in err, err
+            theirs = json.loads(subprocess.run([args.cli, f"--target={other.target}", "stats"],
+                                               capture_output=True, text=True, timeout=60).stdout)
+            assert int(theirs["sequences"]) == 1 and int(theirs["pages_free"]) == 16 - 2, theirs
+
         run(["fork", "5", "6"])
         run(["decode", "5,6", "--layer=1"])
         _, err = run(["decode", "5,5"], code=1)

@@ -268,6 +268,96 @@ INSTANTIATE_TEST_SUITE_P(Models, ModelShapesTest, ::testing::ValuesIn(Cases()),
                            return info.param.name;
                          });
 
+// A server of `shape` (CPU backend, two layers) and a client to it.
+struct ShapeServer {
+  std::unique_ptr<ServerProcess> process;
+  std::unique_ptr<client::Client> client;
+};
+
+ShapeServer StartShapeServer(const k::Shape& shape, const std::string& scales_file) {
+  std::vector<std::string> flags = ShapeFlags(shape);
+  for (const std::string& f : {Flag("num_layers", kLayers), std::string("--num_pages=32"),
+                               std::string("--cpu_threads=2"), std::string("--backend=cpu")}) {
+    flags.push_back(f);
+  }
+  if (!scales_file.empty()) flags.push_back("--kv_cache_scales_file=" + scales_file);
+  ShapeServer s;
+  absl::StatusOr<std::unique_ptr<ServerProcess>> process = ServerProcess::Start(flags);
+  EXPECT_TRUE(process.ok()) << process.status();
+  if (!process.ok()) return s;
+  s.process = *std::move(process);
+  client::ClientOptions options;
+  options.target = s.process->grpc_target();
+  absl::StatusOr<std::unique_ptr<client::Client>> c = client::Client::Connect(options);
+  EXPECT_TRUE(c.ok()) << c.status();
+  if (c.ok()) s.client = *std::move(c);
+  return s;
+}
+
+TEST(ModelShapeExportTest, Fp8PagesMoveWithTheirScalesAndOnlyToTheSamePages) {
+  const k::Shape fp8{32, 8, 128, 16, DType::kBf16, DType::kFp8E4m3};
+  k::Shape bf16 = fp8;
+  bf16.kv_dtype = DType::kBf16;
+  const TempFile scales(ScalesJson({0.02f, 0.03f}, {0.04f, 0.05f}));
+  const TempFile other_scales(ScalesJson({0.02f, 0.03f}, {0.04f, 0.06f}));
+  ShapeServer from = StartShapeServer(fp8, scales.path());
+  ShapeServer same = StartShapeServer(fp8, scales.path());
+  ShapeServer plain = StartShapeServer(bf16, "");
+  ShapeServer other = StartShapeServer(fp8, other_scales.path());
+  ASSERT_TRUE(from.client && same.client && plain.client && other.client);
+
+  std::mt19937_64 rng(42);
+  constexpr int32_t kTokens = 37;
+  ASSERT_TRUE(from.client->CreateSequence(1).ok());
+  for (int32_t layer = 0; layer < kLayers; ++layer) {
+    const int64_t elems = kTokens * fp8.token_elems();
+    ASSERT_TRUE(from.client
+                    ->AppendKV(1, layer, kTokens, Random(fp8.dtype, elems, rng),
+                               Random(fp8.dtype, elems, rng))
+                    .ok());
+  }
+  absl::StatusOr<std::vector<v1::ExportSequenceChunk>> chunks = from.client->ExportSequence(1);
+  ASSERT_TRUE(chunks.ok()) << chunks.status();
+  ASSERT_EQ(chunks->size(), static_cast<size_t>(kLayers));
+  const v1::ExportSequenceChunk& first = chunks->front();
+  EXPECT_EQ(first.kv_cache_dtype(), "fp8_e4m3");
+  EXPECT_EQ(std::vector<float>(first.k_scale().begin(), first.k_scale().end()),
+            (std::vector<float>{0.02f, 0.03f}));
+  EXPECT_EQ(std::vector<float>(first.v_scale().begin(), first.v_scale().end()),
+            (std::vector<float>{0.04f, 0.05f}));
+  for (const v1::ExportSequenceChunk& c : *chunks) {
+    EXPECT_EQ(static_cast<int64_t>(c.k().size()), kTokens * fp8.kv_token_bytes());  // 1 byte each
+  }
+
+  // Into pages of another type, or fp8 pages of other scales: refused, nothing made.
+  for (ShapeServer* refusing : {&plain, &other}) {
+    absl::StatusOr<int64_t> r = refusing->client->ImportSequence(1, *chunks);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+    absl::StatusOr<v1::GetStatsResponse> stats = refusing->client->GetStats();
+    ASSERT_TRUE(stats.ok());
+    EXPECT_EQ(stats->sequences(), 0);
+    EXPECT_EQ(stats->pages_free(), stats->pages_total());
+  }
+  // Into the same pages and scales: later decodes are bitwise the exporter's.
+  absl::StatusOr<int64_t> imported = same.client->ImportSequence(1, *chunks);
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  EXPECT_EQ(*imported, kTokens);
+  for (int32_t layer = 0; layer < kLayers; ++layer) {
+    v1::DecodeRequest r;
+    r.set_request_id(layer + 1);
+    r.set_layer(layer);
+    r.add_sequence_ids(1);
+    r.set_q(Random(fp8.dtype, fp8.query_elems(), rng));
+    r.set_k(Random(fp8.dtype, fp8.token_elems(), rng));
+    r.set_v(Random(fp8.dtype, fp8.token_elems(), rng));
+    absl::StatusOr<v1::DecodeResponse> a = from.client->Decode(r);
+    absl::StatusOr<v1::DecodeResponse> b = same.client->Decode(r);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(a->output(), b->output()) << "layer " << layer;
+    EXPECT_EQ(a->lse(), b->lse()) << "layer " << layer;
+  }
+}
+
 // The server does not start; its output names the reason (and `expected`).
 void ExpectRefusedAtStart(const std::vector<std::string>& flags, const std::string& expected) {
   std::vector<std::string> all = {"--backend=cpu", "--num_pages=16", "--num_layers=2"};

@@ -141,3 +141,19 @@ def health_status(response: bytes) -> str:
         if tag >> 3 == 1:
             status = value
     return _HEALTH_NAMES.get(status, str(status))
+
+
+def import_chunks(new_id: int, chunks):
+    """ImportSequenceChunk messages from exported chunks (ExportSequenceChunk or
+    ImportSequenceChunk): the first names `new_id` and the chunks' length."""
+    new_id = sequence_id(new_id)
+    for i, c in enumerate(chunks):
+        out = pb.ImportSequenceChunk(layer=c.layer, first_token=c.first_token,
+                                     num_tokens=c.num_tokens, k=c.k, v=c.v)
+        if i == 0:
+            out.sequence_id = new_id
+            out.length = c.length
+            out.kv_cache_dtype = c.kv_cache_dtype
+            out.k_scale.extend(c.k_scale)
+            out.v_scale.extend(c.v_scale)
+        yield out

@@ -107,6 +107,34 @@ class AsyncClient:
         request = pb.ReleaseSequenceRequest(sequence_id=_protocol.sequence_id(sequence_id))
         await self._call(self._stub.ReleaseSequence, request)
 
+    # -- KV beyond one pool ------------------------------------------------------------------
+    async def export_sequence(self, sequence_id: int, timeout: Optional[float] = None) -> List:
+        """ExportSequence: the chunks (see Client.export_sequence)."""
+        request = pb.ExportSequenceRequest(sequence_id=_protocol.sequence_id(sequence_id))
+        try:
+            call = self._stub.ExportSequence(request, timeout=timeout or self.options.deadline(),
+                                             metadata=self.options.metadata(),
+                                             wait_for_ready=self.options.wait_for_ready)
+            return [chunk async for chunk in call]
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    async def import_sequence(self, sequence_id: int, chunks, timeout: Optional[float] = None) -> int:
+        """ImportSequence (see Client.import_sequence); returns the committed length."""
+        messages = list(_protocol.import_chunks(sequence_id, chunks))
+        try:
+            response = await self._stub.ImportSequence(
+                iter(messages), timeout=timeout or self.options.deadline(),
+                metadata=self.options.metadata(), wait_for_ready=self.options.wait_for_ready)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return response.length
+
+    async def offload(self, sequence_id: int) -> None:
+        """OffloadSequence (see Client.offload)."""
+        await self._call(self._stub.OffloadSequence,
+                         pb.OffloadSequenceRequest(sequence_id=_protocol.sequence_id(sequence_id)))
+
     async def stats(self) -> Stats:
         return Stats.from_message(await self._call(self._stub.GetStats, pb.GetStatsRequest()))
 

@@ -151,6 +151,31 @@ class Client:
         request = pb.ReleaseSequenceRequest(sequence_id=_protocol.sequence_id(sequence_id))
         self._call(self._stub.ReleaseSequence, request)
 
+    # -- KV beyond one pool ------------------------------------------------------------------
+    def export_sequence(self, sequence_id: int, timeout: Optional[float] = None) -> List[pb.ExportSequenceChunk]:
+        """ExportSequence: every chunk of the sequence's committed tokens (k/v bytes as the
+        pool stores them, layer by layer, at most 2 MiB each; the first names the pages' type
+        and fp8 scales)."""
+        request = pb.ExportSequenceRequest(sequence_id=_protocol.sequence_id(sequence_id))
+        try:
+            return list(self._stub.ExportSequence(request, timeout=timeout or self.options.deadline(),
+                                                  metadata=self.options.metadata(),
+                                                  wait_for_ready=self.options.wait_for_ready))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def import_sequence(self, sequence_id: int, chunks, timeout: Optional[float] = None) -> int:
+        """ImportSequence: a new sequence `sequence_id` from exported chunks (of this server or
+        another); returns its committed length. Nothing is created unless every chunk arrives."""
+        return self._call(self._stub.ImportSequence, _protocol.import_chunks(sequence_id, chunks),
+                          timeout).length
+
+    def offload(self, sequence_id: int) -> None:
+        """OffloadSequence: moves an idle sequence to the server's host tier; its next append or
+        decode brings it back."""
+        self._call(self._stub.OffloadSequence,
+                   pb.OffloadSequenceRequest(sequence_id=_protocol.sequence_id(sequence_id)))
+
     def stats(self) -> Stats:
         return Stats.from_message(self._call(self._stub.GetStats, pb.GetStatsRequest()))
 

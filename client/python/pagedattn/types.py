@@ -60,6 +60,9 @@ class Stats:
     batches: int
     decoded_sequences: int
     healthy: bool
+    sequences_offloaded: int = 0  # the host tier (all 0 without one)
+    host_pages_total: int = 0
+    host_pages_free: int = 0
 
     @classmethod
     def from_message(cls, message) -> "Stats":

@@ -1,0 +1,38 @@
+// The page-transfer part of the Backend interface: its defaults and the check both backends
+// run before touching memory.
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "server/backend/backend.h"
+
+namespace pagedattn {
+
+absl::StatusOr<char*> Backend::AllocateHostMemory(int64_t /*bytes*/) {
+  return absl::UnimplementedError(
+      absl::StrCat("the ", std::string(name()), " backend has no host memory for a host tier"));
+}
+
+absl::Status Backend::ReadPages(const std::vector<PageRun>& /*runs*/) {
+  return absl::UnimplementedError(
+      absl::StrCat("the ", std::string(name()), " backend cannot read pages to the host"));
+}
+
+absl::Status Backend::WritePages(const std::vector<PageRun>& /*runs*/) {
+  return absl::UnimplementedError(
+      absl::StrCat("the ", std::string(name()), " backend cannot write pages from the host"));
+}
+
+absl::Status ValidatePageRuns(const std::vector<PageRun>& runs, const Backend::PoolShape& shape) {
+  for (const PageRun& r : runs) {
+    if (r.layer < 0 || r.layer >= shape.num_layers || r.count <= 0 || r.page < 0 ||
+        int64_t{r.page} + r.count > shape.num_pages || r.k == nullptr || r.v == nullptr) {
+      return absl::InternalError(absl::StrCat("page run out of range: layer ", r.layer, " pages [",
+                                              r.page, ", ", int64_t{r.page} + r.count, ") of ",
+                                              shape.num_pages));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace pagedattn

@@ -1,0 +1,277 @@
+#include "server/engine/tiers.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <new>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "pagedattn/kernels/decode.h"
+
+namespace pagedattn {
+
+namespace k = kernels;
+
+namespace {
+
+// Runs of consecutive pages of one layer of `pages` (token order), each pointing at the matching
+// bytes of k/v (page i of the list at k + i * page_bytes).
+void AppendRuns(int32_t layer, absl::Span<const int32_t> pages, char* k_base, char* v_base,
+                int64_t page_bytes, std::vector<PageRun>* runs) {
+  for (size_t i = 0; i < pages.size();) {
+    size_t j = i + 1;
+    while (j < pages.size() && pages[j] == pages[j - 1] + 1) ++j;
+    runs->push_back(PageRun{layer, pages[i], static_cast<int32_t>(j - i),
+                            k_base + static_cast<int64_t>(i) * page_bytes,
+                            v_base + static_cast<int64_t>(i) * page_bytes});
+    i = j;
+  }
+}
+
+}  // namespace
+
+absl::Status SequenceData::Allocate(int32_t layers, int64_t tokens, const k::Shape& model) {
+  length = tokens;
+  num_layers = layers;
+  page_size = model.page_size;
+  page_bytes = model.page_bytes();
+  num_pages = (tokens + page_size - 1) / page_size;
+  const int64_t total = 2 * int64_t{layers} * layer_bytes();
+  bytes.reset(total > 0 ? new (std::nothrow) char[total] : nullptr);
+  if (total > 0 && bytes == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", total, " bytes for a sequence copy"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Tiers>> Tiers::Create(const Options& options, Backend* backend,
+                                                     Metrics* metrics) {
+  if (backend == nullptr) return absl::InvalidArgumentError("backend is null");
+  if (options.num_layers <= 0) return absl::InvalidArgumentError("num_layers must be > 0");
+  if (options.host_pages < 0 || options.host_pages > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError("host_pages must be in [0, 2^31)");
+  }
+  if (options.offload_lru && options.host_pages == 0) {
+    return absl::InvalidArgumentError("the lru offload policy needs a host tier (host_pages > 0)");
+  }
+  char* memory = nullptr;
+  std::unique_ptr<BlockAllocator> allocator;
+  if (options.host_pages > 0) {
+    absl::StatusOr<std::unique_ptr<BlockAllocator>> a =
+        BlockAllocator::Create({.num_pages = options.host_pages});
+    if (!a.ok()) return a.status();
+    allocator = *std::move(a);
+    absl::StatusOr<char*> m =
+        backend->AllocateHostMemory(2 * int64_t{options.num_layers} * options.host_pages * options.model.page_bytes());
+    if (!m.ok()) return m.status();
+    memory = *m;
+  }
+  if (metrics != nullptr) metrics->SetHostTier(options.host_pages, options.host_pages, 0);
+  return std::unique_ptr<Tiers>(new Tiers(options, backend, metrics, memory, std::move(allocator)));
+}
+
+Tiers::Tiers(const Options& options, Backend* backend, Metrics* metrics, char* host_memory,
+             std::unique_ptr<BlockAllocator> host_allocator)
+    : options_(options),
+      backend_(backend),
+      metrics_(metrics),
+      host_memory_(host_memory),
+      host_allocator_(std::move(host_allocator)) {}
+
+char* Tiers::HostK(int32_t layer, int32_t host_page) const {
+  return host_memory_ + (int64_t{layer} * options_.host_pages + host_page) * options_.model.page_bytes();
+}
+
+char* Tiers::HostV(int32_t layer, int32_t host_page) const {
+  return HostK(layer, host_page) + int64_t{options_.num_layers} * options_.host_pages * options_.model.page_bytes();
+}
+
+absl::Status Tiers::Failed(absl::Status s) {
+  if (!s.ok() && options_.backend_failed) options_.backend_failed(s);
+  return s;
+}
+
+std::vector<PageRun> Tiers::HostRuns(std::vector<SequenceTable::PageMove> moves) const {
+  std::sort(moves.begin(), moves.end(),
+            [](const auto& a, const auto& b) { return a.device < b.device; });
+  std::vector<PageRun> runs;
+  for (int32_t layer = 0; layer < options_.num_layers; ++layer) {
+    for (size_t i = 0; i < moves.size();) {
+      size_t j = i + 1;
+      while (j < moves.size() && moves[j].device == moves[j - 1].device + 1 &&
+             moves[j].host == moves[j - 1].host + 1) {
+        ++j;
+      }
+      runs.push_back(PageRun{layer, moves[i].device, static_cast<int32_t>(j - i),
+                             HostK(layer, moves[i].host), HostV(layer, moves[i].host)});
+      i = j;
+    }
+  }
+  return runs;
+}
+
+absl::Status Tiers::Offload(SequenceTable& table, uint64_t id) {
+  std::vector<SequenceTable::PageMove> moves;
+  if (absl::Status s = table.Offload(id, &moves); !s.ok()) return s;
+  if (!moves.empty()) {
+    if (absl::Status s = Failed(backend_->ReadPages(HostRuns(moves))); !s.ok()) return s;
+  }
+  if (metrics_ != nullptr) {
+    metrics_->RecordOffload(static_cast<int64_t>(moves.size()) * 2 * options_.num_layers * options_.model.page_bytes());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Tiers::Restore(SequenceTable& table, uint64_t id) {
+  if (!table.IsOffloaded(id)) return absl::OkStatus();
+  const absl::Time begin = absl::Now();
+  std::vector<SequenceTable::PageMove> moves;
+  if (absl::Status s = table.Restore(id, &moves); !s.ok()) return s;
+  if (!moves.empty()) {
+    if (absl::Status s = Failed(backend_->WritePages(HostRuns(moves))); !s.ok()) return s;
+  }
+  if (metrics_ != nullptr) {
+    metrics_->RecordRestore(static_cast<int64_t>(moves.size()) * 2 * options_.num_layers * options_.model.page_bytes());
+    metrics_->RecordStage(Metrics::Stage::kRestore, absl::ToDoubleSeconds(absl::Now() - begin));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Tiers::MakeRoom(SequenceTable& table, BlockAllocator& allocator, int64_t pages,
+                             const absl::flat_hash_set<uint64_t>& exclude,
+                             const absl::flat_hash_set<int32_t>& keep_pages) {
+  if (!options_.offload_lru) {
+    return absl::ResourceExhaustedError(absl::StrCat("need ", pages, " more free KV pages, ",
+                                                     allocator.num_free(), " free"));
+  }
+  absl::StatusOr<std::vector<uint64_t>> plan = table.PlanOffload(pages, exclude, keep_pages);
+  if (!plan.ok()) return plan.status();
+  for (uint64_t victim : *plan) {
+    // Planned against both tiers' free pages: failing here is a bookkeeping bug or a device error.
+    if (absl::Status s = Offload(table, victim); !s.ok()) {
+      return absl::IsInternal(s) ? s : absl::InternalError(absl::StrCat("planned offload: ", s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Tiers::PrepareItem(SequenceTable& table, BlockAllocator& allocator,
+                                absl::Span<const uint64_t> ids, int32_t layer, int32_t num_tokens,
+                                const InFlight& batch) {
+  if (!has_host_tier()) return absl::OkStatus();
+  const bool step = num_tokens > 0;
+  // A step past layer 0 takes no pages, and an offloaded sequence is never mid-step: the item's
+  // own checks refuse it.
+  if (step && layer != 0) return absl::OkStatus();
+  int64_t needed = 0;
+  bool any_offloaded = false;
+  for (uint64_t id : ids) {
+    absl::StatusOr<SequenceTable::View> view = table.Get(id);
+    if (!view.ok()) return absl::OkStatus();  // NOT_FOUND from the item's own checks
+    if (view->offloaded) {
+      any_offloaded = true;
+      absl::StatusOr<int64_t> restore = table.RestoreCost(id);
+      needed += *restore;
+      if (step) {
+        // The step's own pages after the restore, and a copy on write of a partial last page
+        // that the restore may share (counted always: conservative).
+        const int64_t page_size = options_.model.page_size;
+        needed += (view->length + num_tokens + page_size - 1) / page_size -
+                  static_cast<int64_t>(view->pages.size()) + (view->length % page_size != 0 ? 1 : 0);
+      }
+    } else if (step) {
+      absl::StatusOr<int64_t> n = table.CheckStep(id, layer, num_tokens);
+      if (!n.ok()) return absl::OkStatus();  // the item's own checks say why
+      needed += *n;
+    }
+  }
+  if (!any_offloaded && (needed <= allocator.num_free() || !options_.offload_lru)) {
+    return absl::OkStatus();
+  }
+  if (needed > allocator.num_free()) {
+    absl::flat_hash_set<uint64_t> exclude(ids.begin(), ids.end());
+    for (const auto& item : batch.items) {
+      if (item->task) continue;
+      if (item->is_decode) {
+        exclude.insert(item->decode.sequence_ids.begin(), item->decode.sequence_ids.end());
+      } else {
+        exclude.insert(item->append.sequence_id);
+      }
+    }
+    // Pages whose holders stay: the sources of this batch's copies on write (read at launch; a
+    // page freed now could be taken and written by a restore at once, before that), and the
+    // pages the item's restores share through links (the costs above count on them).
+    absl::flat_hash_set<int32_t> keep;
+    for (const PageCopy& c : batch.batch.page_copies) keep.insert(c.src);
+    for (uint64_t id : ids) table.LinkedDevicePages(id, &keep);
+    if (absl::Status s = MakeRoom(table, allocator, needed - allocator.num_free(), exclude, keep);
+        !s.ok()) {
+      return s;
+    }
+  }
+  for (uint64_t id : ids) {
+    if (absl::Status s = Restore(table, id); !s.ok()) {
+      return absl::IsInternal(s) ? s : absl::InternalError(absl::StrCat("planned restore: ", s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const SequenceData>> Tiers::Export(SequenceTable& table, uint64_t id) {
+  absl::StatusOr<SequenceTable::View> view = table.Get(id);
+  if (!view.ok()) return view.status();
+  if (view->step_tokens != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", id, " is mid-step (next layer ", view->next_layer, "): export between steps"));
+  }
+  auto data = std::make_shared<SequenceData>();
+  if (absl::Status s = data->Allocate(options_.num_layers, view->length, options_.model); !s.ok()) return s;
+  // Only the pages that hold committed tokens (a step's pages are never here: not mid-step).
+  const auto pages = view->pages.subspan(0, data->num_pages);
+  if (view->offloaded) {
+    for (int32_t layer = 0; layer < options_.num_layers; ++layer) {
+      for (size_t i = 0; i < pages.size(); ++i) {
+        const int64_t page_bytes = options_.model.page_bytes();
+        std::memcpy(data->k(layer) + i * page_bytes, HostK(layer, pages[i]), page_bytes);
+        std::memcpy(data->v(layer) + i * page_bytes, HostV(layer, pages[i]), page_bytes);
+      }
+    }
+    return data;
+  }
+  std::vector<PageRun> runs;
+  for (int32_t layer = 0; layer < options_.num_layers; ++layer) {
+    AppendRuns(layer, pages, data->k(layer), data->v(layer), data->page_bytes, &runs);
+  }
+  if (!runs.empty()) {
+    if (absl::Status s = Failed(backend_->ReadPages(runs)); !s.ok()) return s;
+  }
+  return data;
+}
+
+absl::StatusOr<int64_t> Tiers::Import(SequenceTable& table, BlockAllocator& allocator, uint64_t id,
+                                      const SequenceData& data) {
+  if (table.Contains(id)) {
+    return absl::AlreadyExistsError(absl::StrCat("sequence ", id, " already exists"));
+  }
+  if (data.num_pages > allocator.num_free()) {
+    if (absl::Status s = MakeRoom(table, allocator, data.num_pages - allocator.num_free(), {});
+        !s.ok()) {
+      if (!absl::IsResourceExhausted(s)) return s;
+      return absl::ResourceExhaustedError(absl::StrCat("import of ", data.length, " tokens: ", s.message()));
+    }
+  }
+  std::vector<int32_t> pages;
+  if (absl::Status s = table.Import(id, data.length, &pages); !s.ok()) return s;
+  std::vector<PageRun> runs;
+  for (int32_t layer = 0; layer < options_.num_layers; ++layer) {
+    AppendRuns(layer, pages, data.k(layer), data.v(layer), data.page_bytes, &runs);
+  }
+  if (!runs.empty()) {
+    if (absl::Status s = Failed(backend_->WritePages(runs)); !s.ok()) return s;
+  }
+  return data.length;
+}
+
+}  // namespace pagedattn

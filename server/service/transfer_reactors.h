@@ -1,0 +1,93 @@
+// The reactors of ExportSequence (server streaming) and ImportSequence (client streaming).
+//
+// ExportReactor asks the engine for a copy of the sequence (Engine::ExportSequence) and writes
+// it as chunks of at most kExportChunkTokens tokens of one layer, layer by layer, one write at
+// a time. ImportReactor checks each chunk as it is read
+// (ImportAssembler), refuses an id in use at the first chunk, and once the client half-closes
+// hands the copy to Engine::ImportSequence. An error, a cancel or a client that goes away
+// finishes the call; nothing reaches the engine before the whole stream arrived, so nothing is
+// left behind.
+//
+// Threading: reactions come on gRPC threads and the engine's callback on its own; the state
+// they share is under mu_ (so that a race detector sees the hand-offs gRPC makes inside its
+// own, uninstrumented, code), and gRPC operations start after mu_ is released.
+//
+// Lifetime: created by the service per call (after the token check), each deletes itself in
+// OnDone. Finish is called exactly once, only when no engine callback is outstanding and no
+// write is in progress; a thread that starts a write touches nothing of the reactor after it.
+// Each call counts in `calls` until OnDone and in pagedattn_requests_total when it finishes.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "grpcpp/server_context.h"
+#include "grpcpp/support/server_callback.h"
+#include "pagedattn/v1/pagedattn.pb.h"
+#include "server/engine/engine.h"
+#include "server/service/import_assembler.h"
+
+namespace pagedattn {
+
+class CallCounter;
+class Metrics;
+
+// Bytes of k plus v per exported chunk, at most: 2 MiB (1024 tokens of the default shape), a
+// message under gRPC's default 4 MiB receive limit, so a client with default limits can read
+// it, and large enough that the per-message cost stays small next to the copy.
+inline constexpr int64_t kExportChunkBytes = int64_t{2} << 20;
+
+class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceChunk> {
+ public:
+  // Starts the export at once. engine and calls outlive the reactor; metrics may be null.
+  ExportReactor(Engine* engine, uint64_t sequence_id, Metrics* metrics, CallCounter* calls);
+  void OnWriteDone(bool ok) override;
+  void OnDone() override;
+
+ private:
+  void OnData(absl::StatusOr<std::shared_ptr<const SequenceData>> data);
+  // Writes the next chunk, or finishes OK after the last.
+  void WriteNext();
+  // Fills chunk_ with the next chunk; false after the last.
+  bool NextChunkLocked();
+  void FinishWith(const absl::Status& status);
+
+  Metrics* const metrics_;
+  CallCounter* const calls_;
+  const absl::Time start_;
+  const uint64_t sequence_id_;
+  std::mutex mu_;
+  std::shared_ptr<const SequenceData> data_;  // guarded by mu_, as are the four below
+  int32_t layer_ = 0;
+  int64_t next_token_ = 0;
+  bool empty_written_ = false;  // the one chunk of a sequence of length 0
+  bool first_ = true;           // the next chunk is the first
+  v1::ExportSequenceChunk chunk_;
+  const ModelConfig config_;    // the pages' type and scales
+};
+
+class ImportReactor final : public grpc::ServerReadReactor<v1::ImportSequenceChunk> {
+ public:
+  ImportReactor(grpc::CallbackServerContext* context, Engine* engine, const ModelConfig& config,
+                v1::ImportSequenceResponse* response, Metrics* metrics, CallCounter* calls);
+  void OnReadDone(bool ok) override;
+  void OnDone() override;
+
+ private:
+  void FinishWith(const absl::Status& status);
+
+  grpc::CallbackServerContext* const context_;
+  Engine* const engine_;
+  v1::ImportSequenceResponse* const response_;
+  Metrics* const metrics_;
+  CallCounter* const calls_;
+  const absl::Time start_;
+  std::mutex mu_;
+  ImportAssembler assembler_;  // guarded by mu_, as is chunk_
+  v1::ImportSequenceChunk chunk_;
+};
+
+}  // namespace pagedattn

@@ -1,0 +1,183 @@
+// Offload / restore bandwidth on the CUDA backend for one long sequence, next to plain pinned
+// cudaMemcpy of the same bytes measured in the same run:
+//   - backend: ReadPages (offload, device -> pinned host) and WritePages (restore) of the
+//     sequence's pages of every layer, in runs as the engine issues them;
+//   - engine: OffloadSequence, and the restore a Decode triggers (the Decode's time less that
+//     of the same Decode on the resident sequence), and ExportSequence / ImportSequence in
+//     process (no gRPC);
+//   - baseline: one cudaMemcpy of all the bytes each way between pinned host memory and a
+//     device buffer.
+// usage: pagedattn_cuda_tier_bench [tokens=32768] [layers=1] [reps=20]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "pagedattn/kernels/decode.h"
+#include "server/backend/cuda_backend.h"
+#include "server/engine/engine.h"
+#include "tests/engine/tier_checks.h"
+
+namespace pagedattn {
+namespace {
+
+namespace k = kernels;
+
+double Seconds(const std::function<void()>& f, int reps) {
+  f();  // warm up
+  std::vector<double> times;
+  for (int i = 0; i < reps; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    f();
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];  // the median
+}
+
+void Print(const char* what, int64_t bytes, double seconds, double baseline_gbps) {
+  const double gbps = bytes / seconds / 1e9;
+  std::printf("%-28s %8.1f MiB %9.3f ms %7.2f GB/s", what, bytes / 1048576.0, seconds * 1e3, gbps);
+  if (baseline_gbps > 0) std::printf("  (%5.1f%% of pinned cudaMemcpy)", 100.0 * gbps / baseline_gbps);
+  std::printf("\n");
+}
+
+void Check(const absl::Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, std::string(s.message()).c_str());
+    std::exit(1);
+  }
+}
+template <typename T>
+void Check(const absl::StatusOr<T>& s, const char* what) {
+  Check(s.status(), what);
+}
+#define CHECK_OK(expr) Check((expr), #expr)
+#define CHECK_CUDA(expr)                                                              \
+  do {                                                                                \
+    cudaError_t e_ = (expr);                                                          \
+    if (e_ != cudaSuccess) {                                                          \
+      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(e_));                \
+      std::exit(1);                                                                   \
+    }                                                                                 \
+  } while (0)
+
+int Main(int argc, char** argv) {
+  const int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 32768;
+  const int32_t layers = argc > 2 ? std::atoi(argv[2]) : 1;
+  const int reps = argc > 3 ? std::atoi(argv[3]) : 20;
+  if (CudaDeviceCount() == 0) {
+    std::fprintf(stderr, "no CUDA device of compute capability 9.0\n");
+    return 77;
+  }
+  const int32_t pages = static_cast<int32_t>((tokens + k::kPageSize - 1) / k::kPageSize);
+  const int64_t bytes = 2 * int64_t{layers} * pages * k::kPageBytes;  // K and V, every layer
+  std::printf("sequence: %lld tokens, %d layers, %d pages per layer, %.1f MiB of K and V\n",
+              static_cast<long long>(tokens), layers, pages, bytes / 1048576.0);
+
+  // Baseline: one pinned copy of all the bytes each way.
+  double h2d_gbps = 0, d2h_gbps = 0;
+  {
+    char* host = nullptr;
+    char* dev = nullptr;
+    CHECK_CUDA(cudaHostAlloc(&host, bytes, cudaHostAllocPortable));
+    CHECK_CUDA(cudaMalloc(&dev, bytes));
+    std::memset(host, 1, bytes);
+    const double h2d = Seconds([&] { CHECK_CUDA(cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice)); }, reps);
+    const double d2h = Seconds([&] { CHECK_CUDA(cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost)); }, reps);
+    h2d_gbps = bytes / h2d / 1e9;
+    d2h_gbps = bytes / d2h / 1e9;
+    Print("pinned cudaMemcpy H2D", bytes, h2d, 0);
+    Print("pinned cudaMemcpy D2H", bytes, d2h, 0);
+    CHECK_CUDA(cudaFree(dev));
+    CHECK_CUDA(cudaFreeHost(host));
+  }
+
+  // The backend's transfers, in the runs the engine issues for a sequence on consecutive pages.
+  {
+    auto backend = CudaBackend::Create({});
+    CHECK_OK(backend);
+    CHECK_OK((*backend)->Init({.num_layers = layers, .num_pages = pages + 8, .max_batch_size = 8}));
+    auto host = (*backend)->AllocateHostMemory(bytes);
+    CHECK_OK(host);
+    std::memset(*host, 1, bytes);
+    const int64_t layer_bytes = int64_t{pages} * k::kPageBytes;
+    std::vector<PageRun> runs;
+    for (int32_t layer = 0; layer < layers; ++layer) {
+      runs.push_back({layer, 0, pages, *host + layer * layer_bytes,
+                      *host + (layers + layer) * layer_bytes});
+    }
+    Print("backend ReadPages (offload)", bytes,
+          Seconds([&] { CHECK_OK((*backend)->ReadPages(runs)); }, reps), d2h_gbps);
+    Print("backend WritePages (restore)", bytes,
+          Seconds([&] { CHECK_OK((*backend)->WritePages(runs)); }, reps), h2d_gbps);
+  }
+
+  // The engine: a sequence of `tokens` random tokens, offloaded and restored.
+  {
+    auto backend = CudaBackend::Create({});
+    CHECK_OK(backend);
+    auto engine = Engine::Create({.num_layers = layers, .num_pages = pages + 8, .host_pages = pages},
+                                 std::move(*backend), nullptr);
+    CHECK_OK(engine);
+    Engine& e = **engine;
+    std::mt19937_64 rng(1);
+    CHECK_OK(e.CreateSequence(1));
+    for (int32_t layer = 0; layer < layers; ++layer) {
+      AppendWork w;
+      w.sequence_id = 1;
+      w.layer = layer;
+      w.num_tokens = static_cast<int32_t>(tokens);
+      w.k = testing::ToBytes(testing::RandomBf16(tokens * k::kTokenElems, rng));
+      w.v = testing::ToBytes(testing::RandomBf16(tokens * k::kTokenElems, rng));
+      CHECK_OK(testing::AppendSync(e, std::move(w)));
+    }
+    DecodeWork attend;
+    attend.layer = 0;
+    attend.sequence_ids = {1};
+    attend.sm_scale = testing::kDefaultScale;
+    attend.q = testing::ToBytes(testing::RandomBf16(k::kQueryElems, rng));
+    const double resident = Seconds([&] { CHECK_OK(testing::DecodeSync(e, attend)); }, reps);
+    double offload_total = 0, restore_total = 0;
+    for (int i = 0; i < reps; ++i) {
+      auto t0 = std::chrono::steady_clock::now();
+      CHECK_OK(testing::OffloadSync(e, 1));
+      auto t1 = std::chrono::steady_clock::now();
+      CHECK_OK(testing::DecodeSync(e, attend));
+      auto t2 = std::chrono::steady_clock::now();
+      offload_total += std::chrono::duration<double>(t1 - t0).count();
+      restore_total += std::chrono::duration<double>(t2 - t1).count() - resident;
+    }
+    Print("engine OffloadSequence", bytes, offload_total / reps, d2h_gbps);
+    Print("engine restore (in a Decode)", bytes, restore_total / reps, h2d_gbps);
+    std::shared_ptr<const SequenceData> data;
+    Print("engine ExportSequence", bytes, Seconds([&] {
+            auto d = testing::ExportSync(e, 1);
+            CHECK_OK(d);
+            data = *d;
+          }, reps), d2h_gbps);
+    auto to_backend = CudaBackend::Create({});
+    CHECK_OK(to_backend);
+    auto to = Engine::Create({.num_layers = layers, .num_pages = pages + 8}, std::move(*to_backend), nullptr);
+    CHECK_OK(to);
+    uint64_t next = 100;
+    Print("engine ImportSequence", bytes, Seconds([&] {
+            CHECK_OK(testing::ImportSync(**to, next, data));
+            CHECK_OK((*to)->ReleaseSequence(next++));
+          }, reps), h2d_gbps);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace pagedattn
+
+int main(int argc, char** argv) { return pagedattn::Main(argc, argv); }

@@ -1,0 +1,181 @@
+// Checks of the engine's page transfers on any backend (the CPU one in the unit suite, the CUDA
+// one in the GPU suite): offload -> restore and export -> import give later decodes bitwise
+// equal to the original's, an export returns the appended k/v bytes exactly, and a restore's
+// time shows in the restore stage. Random normal data, several layers, partial pages, a fork.
+#pragma once
+
+#include <functional>
+#include <future>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "pagedattn/kernels/decode.h"
+#include "server/backend/backend.h"
+#include "server/engine/engine.h"
+#include "server/metrics/metrics.h"
+#include "tests/backend/test_util.h"
+#include "tests/engine/engine_test_util.h"
+
+namespace pagedattn::testing {
+
+using BackendFactory = std::function<std::unique_ptr<Backend>()>;
+
+// The value of an unlabelled counter, or the sum of a family's histogram sample counts.
+inline double FamilyValue(const Metrics& metrics, const std::string& name) {
+  double sum = 0;
+  for (const auto& family : metrics.registry()->Collect()) {
+    if (family.name != name) continue;
+    for (const auto& m : family.metric) sum += m.counter.value + m.histogram.sample_count;
+  }
+  return sum;
+}
+
+inline absl::StatusOr<std::shared_ptr<const SequenceData>> ExportSync(Engine& e, uint64_t id) {
+  std::promise<absl::StatusOr<std::shared_ptr<const SequenceData>>> p;
+  auto f = p.get_future();
+  e.ExportSequence(id, [&p](auto r) { p.set_value(std::move(r)); });
+  return f.get();
+}
+
+inline absl::StatusOr<int64_t> ImportSync(Engine& e, uint64_t id,
+                                          std::shared_ptr<const SequenceData> data) {
+  std::promise<absl::StatusOr<int64_t>> p;
+  auto f = p.get_future();
+  e.ImportSequence(id, std::move(data), [&p](absl::StatusOr<int64_t> r) { p.set_value(std::move(r)); });
+  return f.get();
+}
+
+inline absl::Status OffloadSync(Engine& e, uint64_t id) {
+  std::promise<absl::Status> p;
+  auto f = p.get_future();
+  e.OffloadSequence(id, [&p](absl::Status s) { p.set_value(std::move(s)); });
+  return f.get();
+}
+
+// The output and lse bytes of an attend-only Decode of `ids` at `layer` with a query from `seed`.
+inline std::string AttendBytes(Engine& e, const std::vector<uint64_t>& ids, int32_t layer,
+                               uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  DecodeWork w;
+  w.layer = layer;
+  w.sequence_ids = ids;
+  w.sm_scale = kDefaultScale;
+  w.q = ToBytes(RandomBf16(static_cast<int64_t>(ids.size()) * kernels::kQueryElems, rng));
+  auto r = DecodeSync(e, std::move(w));
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? r->output + r->lse : std::string("error");
+}
+
+// Sequences 1 (300 tokens: four full pages and a partial one), 2 (a fork of 1 with a step of
+// its own), 3 (64 tokens), on `num_layers` layers; returns the k/v appended to 1, per layer.
+inline std::vector<std::pair<std::string, std::string>> FillTierCase(Engine& e, int32_t num_layers,
+                                                                     std::mt19937_64& rng) {
+  std::vector<std::pair<std::string, std::string>> kv1;
+  const std::pair<uint64_t, int32_t> seqs[] = {{1, 300}, {3, 64}};
+  for (const auto& [id, tokens] : seqs) {
+    EXPECT_TRUE(e.CreateSequence(id).ok());
+    for (int32_t layer = 0; layer < num_layers; ++layer) {
+      AppendWork w;
+      w.sequence_id = id;
+      w.layer = layer;
+      w.num_tokens = tokens;
+      w.k = ToBytes(RandomBf16(int64_t{tokens} * kernels::kTokenElems, rng));
+      w.v = ToBytes(RandomBf16(int64_t{tokens} * kernels::kTokenElems, rng));
+      if (id == 1) kv1.emplace_back(std::string(w.k.data(), w.k.size()), std::string(w.v.data(), w.v.size()));
+      EXPECT_TRUE(AppendSync(e, std::move(w)).ok());
+    }
+  }
+  EXPECT_TRUE(e.ForkSequence(1, 2).ok());
+  for (int32_t layer = 0; layer < num_layers; ++layer) {
+    DecodeWork w;
+    w.layer = layer;
+    w.sequence_ids = {2};
+    w.sm_scale = kDefaultScale;
+    w.q = ToBytes(RandomBf16(kernels::kQueryElems, rng));
+    w.k = ToBytes(RandomBf16(kernels::kTokenElems, rng));
+    w.v = ToBytes(RandomBf16(kernels::kTokenElems, rng));
+    EXPECT_TRUE(DecodeSync(e, std::move(w)).ok());
+  }
+  return kv1;
+}
+
+inline void CheckOffloadRestoreIsBitwise(const BackendFactory& make) {
+  constexpr int32_t kLayers = 3;
+  Metrics metrics;
+  auto engine = Engine::Create({.num_layers = kLayers, .num_pages = 64, .host_pages = 16},
+                               make(), &metrics);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = **engine;
+  std::mt19937_64 rng(31);
+  FillTierCase(e, kLayers, rng);
+  const std::vector<uint64_t> ids = {1, 2, 3};
+  std::vector<std::string> before;
+  for (int32_t layer = 0; layer < kLayers; ++layer) before.push_back(AttendBytes(e, ids, layer, 7 + layer));
+  const EngineStats start = e.GetStats();
+  for (uint64_t id : ids) ASSERT_TRUE(OffloadSync(e, id).ok()) << id;
+  const EngineStats offloaded = e.GetStats();
+  EXPECT_EQ(offloaded.sequences_offloaded, 3);
+  EXPECT_EQ(offloaded.pages_free, 64);
+  // 1 and 2 share four pages; 2 has its own copy of the partial one; 3 has one.
+  EXPECT_EQ(offloaded.host_pages_free, 16 - (5 + 1 + 1));
+  for (int32_t layer = 0; layer < kLayers; ++layer) {
+    EXPECT_EQ(AttendBytes(e, ids, layer, 7 + layer), before[layer]) << "layer " << layer;
+  }
+  const EngineStats restored = e.GetStats();
+  EXPECT_EQ(restored.sequences_offloaded, 0);
+  EXPECT_EQ(restored.pages_free, start.pages_free);
+  EXPECT_EQ(restored.host_pages_free, 16);
+  EXPECT_GE(FamilyValue(metrics, "pagedattn_kv_restores_total"), 3);
+  EXPECT_GE(FamilyValue(metrics, "pagedattn_kv_offloads_total"), 3);
+  EXPECT_EQ(MetricValue(metrics, "pagedattn_kv_tier_bytes_total", "direction", "to_host"),
+            7.0 * 2 * kLayers * kernels::kPageBytes);
+}
+
+inline void CheckExportImportIsBitwise(const BackendFactory& make) {
+  constexpr int32_t kLayers = 2;
+  auto from = Engine::Create({.num_layers = kLayers, .num_pages = 64, .host_pages = 8}, make(), nullptr);
+  auto to = Engine::Create({.num_layers = kLayers, .num_pages = 64}, make(), nullptr);
+  ASSERT_TRUE(from.ok() && to.ok());
+  std::mt19937_64 rng(41);
+  const auto kv1 = FillTierCase(**from, kLayers, rng);
+  // The export is the appended bytes exactly.
+  auto data = ExportSync(**from, 1);
+  ASSERT_TRUE(data.ok()) << data.status();
+  ASSERT_EQ((*data)->length, 300);
+  for (int32_t layer = 0; layer < kLayers; ++layer) {
+    EXPECT_EQ(std::string((*data)->k(layer), 300 * kernels::kTokenBytes), kv1[layer].first);
+    EXPECT_EQ(std::string((*data)->v(layer), 300 * kernels::kTokenBytes), kv1[layer].second);
+  }
+  // From the host tier too.
+  ASSERT_TRUE(OffloadSync(**from, 2).ok());
+  for (uint64_t id : {1, 2, 3}) {
+    auto d = ExportSync(**from, id);
+    ASSERT_TRUE(d.ok()) << d.status();
+    auto length = ImportSync(**to, id, *d);
+    ASSERT_TRUE(length.ok()) << length.status();
+    EXPECT_EQ(*length, (*d)->length);
+  }
+  EXPECT_TRUE(absl::IsAlreadyExists(ImportSync(**to, 1, *data).status()));
+  // Later decodes, steps and attends, bitwise equal on both.
+  for (int step = 0; step < 2; ++step) {
+    for (int32_t layer = 0; layer < kLayers; ++layer) {
+      DecodeWork w;
+      w.layer = layer;
+      w.sequence_ids = {1, 2, 3};
+      w.sm_scale = kDefaultScale;
+      w.q = ToBytes(RandomBf16(3 * kernels::kQueryElems, rng));
+      w.k = ToBytes(RandomBf16(3 * kernels::kTokenElems, rng));
+      w.v = ToBytes(RandomBf16(3 * kernels::kTokenElems, rng));
+      auto a = DecodeSync(**from, w);
+      auto b = DecodeSync(**to, w);
+      ASSERT_TRUE(a.ok() && b.ok());
+      EXPECT_EQ(a->output, b->output) << "step " << step << " layer " << layer;
+      EXPECT_EQ(a->lse, b->lse);
+    }
+  }
+}
+
+}  // namespace pagedattn::testing
