@@ -59,7 +59,7 @@ Metrics::Metrics()
     : registry_(std::make_shared<prometheus::Registry>()),
       requests_(prometheus::BuildCounter()
                     .Name("pagedattn_requests_total")
-                    .Help("RPCs finished, by method and gRPC status code")
+                    .Help("RPCs finished (and local channel descriptors), by method, gRPC status code and transport")
                     .Register(*registry_)),
       request_duration_(prometheus::BuildHistogram()
                             .Name("pagedattn_request_duration_seconds")
@@ -157,15 +157,22 @@ prometheus::Histogram* Metrics::DurationOf(std::string_view method) {
   return it->second;
 }
 
-void Metrics::DeclareMethod(std::string_view method, const std::vector<std::string_view>& codes) {
+void Metrics::DeclareMethod(std::string_view method, const std::vector<std::string_view>& codes,
+                            std::string_view transport) {
   for (std::string_view code : codes) {
-    requests_.Add({{"method", std::string(method)}, {"code", std::string(code)}});
+    requests_.Add({{"method", std::string(method)},
+                   {"code", std::string(code)},
+                   {"transport", std::string(transport)}});
   }
   DurationOf(method);
 }
 
-void Metrics::RecordRequest(std::string_view method, std::string_view code, double seconds) {
-  requests_.Add({{"method", std::string(method)}, {"code", std::string(code)}}).Increment();
+void Metrics::RecordRequest(std::string_view method, std::string_view code, double seconds,
+                            std::string_view transport) {
+  requests_.Add({{"method", std::string(method)},
+                 {"code", std::string(code)},
+                 {"transport", std::string(transport)}})
+      .Increment();
   DurationOf(method)->Observe(seconds);
 }
 
