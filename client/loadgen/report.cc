@@ -101,6 +101,7 @@ Json BuildResult(const RunFacts& f, RunState& state) {
   Json cfg = Json::Object();
   cfg.Set("mode", o.mode);
   cfg.Set("api", o.api);
+  cfg.Set("transport", o.transport);
   cfg.Set("concurrency", o.concurrency);
   // Distinct client connections of the closed-loop callers (1: all on one HTTP/2 connection).
   {
