@@ -190,7 +190,7 @@ class SecurityTest(unittest.TestCase):
 
     def check_token(self, s, ch):
         methods = rpcs(ARGS.proto)
-        self.assertEqual(len(methods), 12, methods)
+        self.assertEqual(len(methods), 14, methods)  # OpenLocalChannel, CloseLocalChannel included
         good = [("authorization", "Bearer " + TOKEN)]
         bad = [None, [("authorization", "Bearer wrong")], [("authorization", "Bearer " + TOKEN + "x")],
                [("authorization", "Bearer " + TOKEN[:-1])], [("authorization", TOKEN)],
