@@ -234,7 +234,8 @@ absl::Status RunClosedLoop(RunState& state, const std::function<void()>& start_t
   if (state.options.transport == "local") {
     for (int32_t c = 0; c < callers; ++c) {
       absl::StatusOr<std::unique_ptr<client::LocalChannel>> channel =
-          client::LocalChannel::Open(state.CallerClient(static_cast<size_t>(c)), {});
+          client::LocalChannel::Open(state.CallerClient(static_cast<size_t>(c)),
+                                     {.spin = state.options.local_spin});
       if (!channel.ok()) return channel.status();
       channels.push_back(*std::move(channel));
     }

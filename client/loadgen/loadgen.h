@@ -52,6 +52,8 @@ struct LoadGenOptions {
   // client/local_channel.h: closed loop, unary api, tensors system or cuda). Setup (create,
   // prefill, release) and the rpc_floor always use gRPC.
   std::string transport = "grpc";
+  // local: how long a caller busy-waits for its completion before it sleeps on the futex.
+  absl::Duration local_spin = absl::Milliseconds(2);
   int32_t max_retries = 10;          // UNAVAILABLE answers retried per request
   std::string metrics_address;       // the server's Prometheus host:port; empty: not read
   // GetModelConfig round trips timed before the timed phase: the RPC floor of this client and
