@@ -7,7 +7,9 @@
 #include <utility>
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
@@ -50,6 +52,10 @@ absl::StatusOr<std::unique_ptr<LocalChannel>> LocalChannel::Open(Client* client,
   std::unique_ptr<LocalChannel> channel(new LocalChannel(client, options));
   channel->channel_id_ = response.channel_id();
   channel->shm_name_ = response.shm_name();
+  if (response.server_pid() != 0) {
+    channel->server_pidfd_ =
+        static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(response.server_pid()), 0));
+  }
   const uint32_t sc = response.submission_capacity();
   const uint32_t cc = response.completion_capacity();
   if (response.layout_version() != local::kLayoutVersion || !local::ValidCapacity(sc) ||
@@ -92,8 +98,19 @@ absl::StatusOr<std::unique_ptr<LocalChannel>> LocalChannel::Open(Client* client,
 }
 
 LocalChannel::~LocalChannel() {
-  (void)Close();
+  if (!server_gone_) (void)Close();
   if (base_ != nullptr) munmap(base_, bytes_);
+  if (server_pidfd_ >= 0) close(server_pidfd_);
+}
+
+bool LocalChannel::ServerGone() {
+  if (server_gone_) return true;
+  if (server_pidfd_ < 0) return false;
+  pollfd p{server_pidfd_, POLLIN, 0};
+  if (poll(&p, 1, 0) <= 0) return false;
+  server_gone_ = true;
+  shm_unlink(shm_name_.c_str());  // the server cannot any more
+  return true;
 }
 
 absl::Status LocalChannel::Close() {
@@ -132,6 +149,7 @@ absl::Status LocalChannel::Fill(const v1::DecodeRequest& request, local::SubmitS
 }
 
 absl::Status LocalChannel::ChannelStateError() const {
+  if (server_gone_) return absl::UnavailableError("the server exited");
   const uint32_t state = std::atomic_ref<uint32_t>(header_->state).load(std::memory_order_acquire);
   if (state == local::kBroken) {
     return absl::DataLossError("the server closed the local channel: its rings were corrupted");
@@ -204,6 +222,7 @@ absl::StatusOr<LocalChannel::Completion> LocalChannel::NextFromRing(absl::Durati
       const absl::Duration wait = std::min(deadline - now, absl::Milliseconds(10));
       const timespec ts = absl::ToTimespec(wait);
       local::FutexWait(&header_->caller_futex, seen, &ts);
+      if (ServerGone()) got = absl::UnavailableError("the server exited");
     }
     local::SetSleeping(&header_->caller_sleeping, 0);
     if (!got.ok()) return got.status();

@@ -10,7 +10,8 @@
 // same codes. Submit/Next pipeline several steps (match completions by request_id).
 //
 // Waiting: spins for Options::spin on the completion ring, then sleeps on the segment's futex
-// until the server wakes it.
+// until the server wakes it; every 10 ms asleep it checks that the server process still runs
+// (a pidfd of it): if it exited, waits end with UNAVAILABLE and the segment is unlinked.
 //
 // Not thread-safe: one thread at a time (one channel per caller thread).
 #pragma once
@@ -79,6 +80,8 @@ class LocalChannel {
   absl::StatusOr<bool> TryNext(Completion* completion);
   absl::StatusOr<Completion> NextFromRing(absl::Duration timeout);
   absl::Status ChannelStateError() const;
+  // True (and the segment unlinked) once the server process has exited.
+  bool ServerGone();
 
   Client* const client_;
   const Options options_;
@@ -92,6 +95,8 @@ class LocalChannel {
   std::deque<Completion> stashed_;  // completions Decode read for other request ids
   int64_t in_flight_ = 0;
   bool closed_ = false;
+  int server_pidfd_ = -1;  // -1: not watched (pidfd_open failed)
+  bool server_gone_ = false;
 };
 
 }  // namespace pagedattn::client

@@ -99,7 +99,7 @@ void ChannelRings::Complete(uint64_t request_id, int32_t code, std::string_view 
     slot->code = code;
     const size_t n = std::min(message.size(), kMessageBytes);
     slot->message_bytes = static_cast<uint32_t>(n);
-    std::memcpy(slot->message, message.data(), n);
+    if (n > 0) std::memcpy(slot->message, message.data(), n);
     completions_.Publish();
   }
   WakeIfSleeping(&header_->caller_sleeping, &header_->caller_futex);

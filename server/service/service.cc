@@ -1,5 +1,7 @@
 #include "server/service/service.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <string_view>
 #include <utility>
@@ -263,6 +265,7 @@ grpc::ServerUnaryReactor* PagedAttentionService::OpenLocalChannel(
       response->set_layout_version(local::kLayoutVersion);
       response->set_submission_capacity(opened->submit_capacity);
       response->set_completion_capacity(opened->complete_capacity);
+      response->set_server_pid(static_cast<uint32_t>(getpid()));
     }
     call->Complete(opened.status());
   });

@@ -408,6 +408,25 @@ TEST_P(LocalChannelKillTest, ACallerKilledMidStepLeavesNothingBehind) {
   EXPECT_EQ(channel->Close().code(), absl::StatusCode::kOk);  // idempotent on the client
 }
 
+TEST_P(LocalChannelKillTest, AWaitingCallerNoticesADeadServer) {
+  Start({"--max_queue_delay_us=300000"});  // the attend is queued when the server dies
+  Prefill(1, 20);
+  std::unique_ptr<RefArena> arena = Arena("arena", 1 << 20);
+  std::unique_ptr<client::LocalChannel> channel = OpenChannel();
+  ASSERT_NE(channel, nullptr);
+  const v1::DecodeRequest attend =
+      ToRefs(RandomDecode(1, 0, {1}, false, rng_), {true, false, false, true, true}, *arena, rng_);
+  ASSERT_TRUE(channel->Submit(attend).ok());
+  server_->Signal(SIGKILL);
+  const absl::Time start = absl::Now();
+  auto next = channel->Next(absl::Seconds(20));
+  EXPECT_EQ(next.status().code(), absl::StatusCode::kUnavailable) << next.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  // The caller unlinks the segment the dead server left.
+  EXPECT_TRUE(ShmObjects(channel->shm_name().substr(1)).empty());
+  EXPECT_EQ(channel->Submit(attend).code(), absl::StatusCode::kUnavailable);
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, LocalChannelTest,
                          ::testing::Values(Transport::kLoopback, Transport::kUnix),
                          [](const auto& info) { return TransportName(info.param); });

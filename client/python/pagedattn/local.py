@@ -26,6 +26,7 @@ import itertools
 import mmap
 import os
 import platform
+import select
 import struct
 import time
 from typing import Optional
@@ -95,6 +96,13 @@ class LocalChannel:
         response = client._call(client._stub.OpenLocalChannel, request)
         self.channel_id = response.channel_id
         self.shm_name = response.shm_name
+        self._server_gone = False
+        self._server_pidfd = None
+        if response.server_pid and hasattr(os, "pidfd_open"):
+            try:
+                self._server_pidfd = os.pidfd_open(response.server_pid)
+            except OSError:
+                pass
         if response.layout_version != LAYOUT_VERSION:
             self.close()
             raise PagedAttnError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -136,16 +144,26 @@ class LocalChannel:
         if self._closed:
             return
         self._closed = True
+        if self._server_pidfd is not None:
+            os.close(self._server_pidfd)
+            self._server_pidfd = None
+        if self._server_gone:
+            self._unmap()
+            return
         try:
             self._client._call(self._client._stub.CloseLocalChannel,
                                pb.CloseLocalChannelRequest(channel_id=self.channel_id))
         finally:
-            for name in ("_submit_tail", "_submit_head", "_complete_tail", "_complete_head",
-                         "_state", "_server_futex", "_caller_futex", "_caller_sleeping"):
-                self.__dict__.pop(name, None)
-            if self._mm is not None:
-                self._mm.close()
-                self._mm = None
+            self._unmap()
+
+    def _unmap(self):
+        # The ctypes views export the mmap's buffer: drop them before closing it.
+        for name in ("_submit_tail", "_submit_head", "_complete_tail", "_complete_head",
+                     "_state", "_server_futex", "_caller_futex", "_caller_sleeping"):
+            self.__dict__.pop(name, None)
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
 
     def __enter__(self):
         return self
@@ -226,6 +244,20 @@ class LocalChannel:
                            ctypes.c_long(_FUTEX_WAKE), ctypes.c_long(1), None, None,
                            ctypes.c_long(0))
 
+    def _check_server(self):
+        """Once the server process has exited: UNAVAILABLE, and its segment unlinked."""
+        if self._server_pidfd is not None and not self._server_gone:
+            p = select.poll()
+            p.register(self._server_pidfd, select.POLLIN)
+            if p.poll(0):
+                self._server_gone = True
+                try:
+                    os.unlink("/dev/shm/" + self.shm_name.lstrip("/"))
+                except OSError:
+                    pass
+        if self._server_gone:
+            raise PagedAttnError(grpc.StatusCode.UNAVAILABLE, "the server exited")
+
     def _check_open(self):
         if self._closed:
             raise PagedAttnError(grpc.StatusCode.UNAVAILABLE, "the local channel is closed")
@@ -281,5 +313,6 @@ class LocalChannel:
                                    ctypes.c_long(_FUTEX_WAIT), ctypes.c_long(seen),
                                    ctypes.byref(ts), None, ctypes.c_long(0))
             self._caller_sleeping.value = 0
+            self._check_server()
             if result is not None:
                 return result
