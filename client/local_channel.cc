@@ -75,6 +75,9 @@ absl::StatusOr<std::unique_ptr<LocalChannel>> LocalChannel::Open(Client* client,
   void* base = mmap(nullptr, response.segment_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;
   close(fd);
+  // Mapped on both sides: the name is no longer needed, and nothing stays in /dev/shm however
+  // either process ends.
+  shm_unlink(channel->shm_name_.c_str());
   if (base == MAP_FAILED) {
     (void)channel->Close();
     return absl::FailedPreconditionError(absl::StrCat("mmap ", channel->shm_name_, ": ", std::strerror(err)));

@@ -71,6 +71,9 @@ class LocalChannel {
   absl::Status Close();
 
   uint64_t channel_id() const { return channel_id_; }
+  // The mapped segment (its name is unlinked once mapped); tests that play a hostile caller
+  // write through it.
+  local::SegmentHeader* segment() const { return header_; }
   const std::string& shm_name() const { return shm_name_; }
 
  private:

@@ -212,6 +212,7 @@ absl::StatusOr<LocalChannels::Opened> LocalChannels::Open(uint32_t pid, uint32_t
     }
     channels_[id] = channel;
     ++generation_;
+    if (metrics_ != nullptr) metrics_->SetLocalChannels(static_cast<int64_t>(channels_.size()));
   }
   WakePoller();
   return Opened{id, name, bytes, submit_capacity, complete_capacity};
@@ -237,11 +238,12 @@ void LocalChannels::Retire(uint64_t channel_id, bool caller_alive) {
     channel = std::move(it->second);
     channels_.erase(it);
     ++generation_;
+    if (metrics_ != nullptr) metrics_->SetLocalChannels(static_cast<int64_t>(channels_.size()));
     if (!caller_alive) ++dead_callers_;
   }
   channel->cancelled->store(true, std::memory_order_relaxed);
   channel->rings.Close(/*write_state=*/caller_alive);
-  shm_unlink(channel->shm_name.c_str());
+  shm_unlink(channel->shm_name.c_str());  // ENOENT once the caller unlinked it after mapping
   // Unlisted at once; each unmaps when the last work using it ends (no waiting here).
   for (const std::string& name : channel->owned_regions) {
     (void)engine_->regions()->Unregister(name, absl::InfinitePast());

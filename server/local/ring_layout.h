@@ -2,7 +2,9 @@
 // (server/local/) and the clients (client/local_channel.h, client/python/pagedattn/local.py).
 // Plain structs and constants only; no code that either side must trust.
 //
-// Segment (one POSIX shared-memory object per channel, created by the server, mode 0600):
+// Segment (one POSIX shared-memory object per channel, created by the server, mode 0600; the
+// caller unlinks its name as soon as it has mapped it, the server when the channel closes if
+// the caller has not, so nothing stays in /dev/shm whichever process dies):
 //
 //   offset 0                     SegmentHeader (kHeaderBytes)
 //   submit_offset                SubmitSlot[submit_capacity]    caller -> server

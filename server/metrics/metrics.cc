@@ -126,7 +126,12 @@ Metrics::Metrics()
                            .Name("pagedattn_backend_healthy")
                            .Help("1 while the compute backend works, 0 after a device error")
                            .Register(*registry_)
-                           .Add({})) {
+                           .Add({})),
+      local_channels_(prometheus::BuildGauge()
+                          .Name("pagedattn_local_channels")
+                          .Help("Local channels (shared-memory rings, OpenLocalChannel) open")
+                          .Register(*registry_)
+                          .Add({})) {
   backend_healthy_.Set(1);
   auto& stages = prometheus::BuildHistogram()
                      .Name("pagedattn_stage_duration_seconds")
@@ -207,5 +212,7 @@ void Metrics::SetPool(int64_t pages_total, int64_t pages_free, int64_t sequences
 }
 
 void Metrics::SetBackendHealthy(bool healthy) { backend_healthy_.Set(healthy ? 1 : 0); }
+
+void Metrics::SetLocalChannels(int64_t open) { local_channels_.Set(static_cast<double>(open)); }
 
 }  // namespace pagedattn

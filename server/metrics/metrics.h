@@ -94,6 +94,8 @@ class Metrics {
   void SetPool(int64_t pages_total, int64_t pages_free, int64_t sequences, int64_t tokens);
   // pagedattn_backend_healthy: 1 while the backend works, 0 after a device error.
   void SetBackendHealthy(bool healthy);
+  // pagedattn_local_channels: local channels open.
+  void SetLocalChannels(int64_t open);
 
   // Bucket bounds, in seconds: 1 us to 10 s, three per decade.
   static prometheus::Histogram::BucketBoundaries LatencyBuckets();
@@ -117,6 +119,7 @@ class Metrics {
   prometheus::Gauge& sequences_;
   prometheus::Gauge& tokens_;
   prometheus::Gauge& backend_healthy_;
+  prometheus::Gauge& local_channels_;
 
   prometheus::Histogram* DurationOf(std::string_view method);
 

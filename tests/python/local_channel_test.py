@@ -116,11 +116,11 @@ class LocalChannelTest(t.ServerCase):
         for sid in ids + twins:
             self.client.release(sid)
 
-    def test_closing_unregisters_owned_regions_and_unlinks_the_segment(self):
+    def test_closing_unregisters_owned_regions_and_nothing_stays_in_dev_shm(self):
         region = self.pa.SystemRegion(1 << 16, self.client, name="owned-by-channel")
         channel = self.pa.LocalChannel(self.client, owned_regions=["owned-by-channel"])
         path = "/dev/shm/" + channel.shm_name.lstrip("/")
-        self.assertTrue(os.path.exists(path))
+        self.assertFalse(os.path.exists(path))  # unlinked once mapped
         self.assertIn("owned-by-channel", [r.name for r in self.client.list_memory()])
         channel.close()
         channel.close()

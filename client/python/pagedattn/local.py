@@ -108,12 +108,14 @@ class LocalChannel:
             raise PagedAttnError(grpc.StatusCode.FAILED_PRECONDITION,
                                  f"server layout version {response.layout_version}, "
                                  f"this client's {LAYOUT_VERSION}")
-        fd = os.open("/dev/shm/" + self.shm_name.lstrip("/"), os.O_RDWR)
+        path = "/dev/shm/" + self.shm_name.lstrip("/")
+        fd = os.open(path, os.O_RDWR)
         try:
             self._mm = mmap.mmap(fd, response.segment_bytes, mmap.MAP_SHARED,
                                  mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+            os.unlink(path)  # mapped on both sides: nothing stays in /dev/shm however either ends
         (magic, version, self._sc, self._cc, submit_bytes, complete_bytes, _, submit_offset,
          complete_offset, _, _) = _HEADER.unpack_from(self._mm, 0)
         if (magic != _MAGIC or version != LAYOUT_VERSION or submit_bytes != _SUBMIT_BYTES
