@@ -7,7 +7,7 @@
 namespace pagedattn::local {
 
 ChannelRings::ChannelRings(void* base, uint32_t submit_capacity, uint32_t complete_capacity)
-    : header_(static_cast<SegmentHeader*>(base)), complete_capacity_(complete_capacity) {
+    : header_(static_cast<SegmentHeader*>(base)) {
   char* bytes = static_cast<char*>(base);
   SegmentHeader* h = header_;
   h->magic = kMagic;

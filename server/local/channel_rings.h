@@ -65,7 +65,6 @@ class ChannelRings {
   int64_t Unreserved() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   SegmentHeader* const header_;
-  const uint32_t complete_capacity_;
   RingConsumer<SubmitSlot> submissions_;  // poller only
   mutable std::mutex mu_;
   RingProducer<CompleteSlot> completions_ ABSL_GUARDED_BY(mu_);
