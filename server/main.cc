@@ -112,6 +112,12 @@ ABSL_FLAG(int32_t, stream_max_in_flight, 32, "DecodeStream requests in flight pe
 ABSL_FLAG(int32_t, max_memory_regions, 256,
           "Memory regions (tensors by reference) clients may register at once; more get "
           "RESOURCE_EXHAUSTED");
+ABSL_FLAG(std::string, local_channels, "on",
+          "on|off: OpenLocalChannel (Decode steps through shared-memory rings) for callers on a "
+          "Unix socket or loopback; others get PERMISSION_DENIED");
+ABSL_FLAG(int32_t, max_local_channels, 64, "Local channels open at once (1..126)");
+ABSL_FLAG(int64_t, local_spin_us, 50,
+          "How long the local channel poller spins after its last work before it sleeps");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10),
           "On SIGTERM/SIGINT, how long calls in progress and queued work may take to finish");
 ABSL_FLAG(int64_t, host_kv_bytes, 0,
@@ -372,6 +378,16 @@ int Serve() {
   server_options.stream_max_in_flight = absl::GetFlag(FLAGS_stream_max_in_flight);
   server_options.http2_window_bytes = absl::GetFlag(FLAGS_http2_window_bytes);
   server_options.http2_max_frame_bytes = absl::GetFlag(FLAGS_http2_max_frame_bytes);
+  {
+    const std::string local = absl::GetFlag(FLAGS_local_channels);
+    if (local != "on" && local != "off") {
+      (*engine)->Shutdown(absl::ZeroDuration());
+      return Fail("flags", absl::InvalidArgumentError("--local_channels must be on or off"));
+    }
+    server_options.local_channels = local == "on";
+    server_options.local.max_channels = absl::GetFlag(FLAGS_max_local_channels);
+    server_options.local.spin = absl::Microseconds(absl::GetFlag(FLAGS_local_spin_us));
+  }
   absl::StatusOr<std::unique_ptr<GrpcServer>> server =
       GrpcServer::Start(server_options, engine->get(), &metrics);
   if (!server.ok()) {

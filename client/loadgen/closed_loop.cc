@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "absl/synchronization/notification.h"
+#include "client/local_channel.h"
 #include "client/loadgen/run_state.h"
 
 namespace pagedattn::loadgen {
@@ -21,9 +22,12 @@ struct Phase {
 class Caller {
  public:
   // index: the caller's number, which gives it its own areas of state.slots.
-  Caller(RunState& state, client::Client* client, std::vector<int32_t> batches, int32_t index)
+  // `local` (nullable, owned by the caller's thread): Decodes go through it instead of `client`.
+  Caller(RunState& state, client::Client* client, std::vector<int32_t> batches, int32_t index,
+         client::LocalChannel* local = nullptr)
       : state_(state),
         client_(client),
+        local_(local),
         batches_(std::move(batches)),
         retired_(batches_.size(), false),
         first_slot_(index * state.slots_per_caller) {}
@@ -89,7 +93,8 @@ class Caller {
         v1::DecodeRequest request =
             MakeDecodeRequest(state_, batch, layer, ++request_id_, &tickets, first_slot_);
         const SteadyClock::time_point t0 = SteadyClock::now();
-        absl::StatusOr<v1::DecodeResponse> response = client_->Decode(request);
+        absl::StatusOr<v1::DecodeResponse> response =
+            local_ != nullptr ? local_->Decode(request) : client_->Decode(request);
         const SteadyClock::time_point t1 = SteadyClock::now();
         absl::Status status = response.status();
         if (status.ok()) status = TakeDecodeResponse(state_, batch, layer, *response, tickets, first_slot_);
@@ -115,6 +120,7 @@ class Caller {
 
   RunState& state_;
   client::Client* const client_;
+  client::LocalChannel* const local_;
   std::vector<int32_t> batches_;
   std::vector<bool> retired_;
   size_t next_ = 0;
@@ -224,6 +230,16 @@ absl::Status RunClosedLoop(RunState& state, const std::function<void()>& start_t
   timed.timed = true;
   timed.steps_per_batch = state.options.steps;
 
+  std::vector<std::unique_ptr<client::LocalChannel>> channels;
+  if (state.options.transport == "local") {
+    for (int32_t c = 0; c < callers; ++c) {
+      absl::StatusOr<std::unique_ptr<client::LocalChannel>> channel =
+          client::LocalChannel::Open(state.CallerClient(static_cast<size_t>(c)),
+                                     {.spin = state.options.local_spin});
+      if (!channel.ok()) return channel.status();
+      channels.push_back(*std::move(channel));
+    }
+  }
   std::vector<std::unique_ptr<Caller>> all;
   for (int32_t c = 0; c < callers; ++c) {
     std::vector<int32_t> mine;
@@ -231,7 +247,8 @@ absl::Status RunClosedLoop(RunState& state, const std::function<void()>& start_t
       mine.push_back(static_cast<int32_t>(b));
     }
     all.push_back(std::make_unique<Caller>(state, state.CallerClient(static_cast<size_t>(c)),
-                                           std::move(mine), c));
+                                           std::move(mine), c,
+                                           channels.empty() ? nullptr : channels[static_cast<size_t>(c)].get()));
   }
   std::vector<std::thread> threads;
   for (int32_t c = 0; c < callers; ++c) {

@@ -32,6 +32,13 @@ absl::Status Validate(const LoadGenOptions& o, const v1::GetModelConfigResponse&
   if (o.tensors != "inline" && o.mode != "closed") {
     return absl::InvalidArgumentError("tensors by reference (system, cuda) need the closed loop");
   }
+  if (o.transport != "grpc" && o.transport != "local") {
+    return absl::InvalidArgumentError("transport must be grpc or local");
+  }
+  if (o.transport == "local" && (o.tensors == "inline" || o.mode != "closed" || o.api != "unary")) {
+    return absl::InvalidArgumentError(
+        "--transport=local needs --tensors=system or cuda, --mode=closed and --api=unary");
+  }
   if (o.concurrency < 1) return absl::InvalidArgumentError("concurrency must be >= 1");
   if (o.batch_size < 1 || o.batch_size > config.max_batch_size()) {
     return absl::InvalidArgumentError(absl::StrCat("batch_size must be in 1..", config.max_batch_size(),

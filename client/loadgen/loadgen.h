@@ -48,6 +48,12 @@ struct LoadGenOptions {
   // region) or cuda (registered device memory of cuda_device); closed loop only.
   std::string tensors = "inline";
   int32_t cuda_device = 0;
+  // How Decodes reach the server: grpc (a Decode RPC each) or local (a local channel per caller,
+  // client/local_channel.h: closed loop, unary api, tensors system or cuda). Setup (create,
+  // prefill, release) and the rpc_floor always use gRPC.
+  std::string transport = "grpc";
+  // local: how long a caller busy-waits for its completion before it sleeps on the futex.
+  absl::Duration local_spin = absl::Milliseconds(2);
   int32_t max_retries = 10;          // UNAVAILABLE answers retried per request
   std::string metrics_address;       // the server's Prometheus host:port; empty: not read
   // GetModelConfig round trips timed before the timed phase: the RPC floor of this client and

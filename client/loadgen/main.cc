@@ -66,6 +66,11 @@ ABSL_FLAG(std::string, tensors, "inline",
           "Where Decode tensors travel: inline (in the messages), system (a registered shared-memory "
           "region, written and read in place) or cuda (registered device memory, CUDA builds); "
           "closed loop only");
+ABSL_FLAG(std::string, transport, "grpc",
+          "How Decodes travel: grpc (an RPC each) | local (a local channel per caller: shared-memory "
+          "rings; needs --tensors=system|cuda, the closed loop and --api=unary)");
+ABSL_FLAG(int64_t, local_spin_us, 2000,
+          "--transport=local: how long a caller busy-waits for its completion before it sleeps");
 ABSL_FLAG(int32_t, cuda_device, 0, "--tensors=cuda: the CUDA device of the registered memory");
 ABSL_FLAG(int32_t, max_retries, 10, "Retries of a Decode answered UNAVAILABLE");
 
@@ -121,6 +126,8 @@ pagedattn::loadgen::LoadGenOptions OptionsFromFlags() {
   o.arrival = absl::GetFlag(FLAGS_arrival);
   o.stream_in_flight = absl::GetFlag(FLAGS_stream_in_flight);
   o.tensors = absl::GetFlag(FLAGS_tensors);
+  o.transport = absl::GetFlag(FLAGS_transport);
+  o.local_spin = absl::Microseconds(absl::GetFlag(FLAGS_local_spin_us));
   o.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   o.max_retries = absl::GetFlag(FLAGS_max_retries);
   o.metrics_address = absl::GetFlag(FLAGS_metrics_address);

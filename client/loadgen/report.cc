@@ -101,6 +101,8 @@ Json BuildResult(const RunFacts& f, RunState& state) {
   Json cfg = Json::Object();
   cfg.Set("mode", o.mode);
   cfg.Set("api", o.api);
+  cfg.Set("transport", o.transport);
+  if (o.transport == "local") cfg.Set("local_spin_us", absl::ToInt64Microseconds(o.local_spin));
   cfg.Set("concurrency", o.concurrency);
   // Distinct client connections of the closed-loop callers (1: all on one HTTP/2 connection).
   {

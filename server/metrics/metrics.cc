@@ -61,7 +61,7 @@ Metrics::Metrics()
     : registry_(std::make_shared<prometheus::Registry>()),
       requests_(prometheus::BuildCounter()
                     .Name("pagedattn_requests_total")
-                    .Help("RPCs finished, by method and gRPC status code")
+                    .Help("RPCs finished (and local channel descriptors), by method, gRPC status code and transport")
                     .Register(*registry_)),
       request_duration_(prometheus::BuildHistogram()
                             .Name("pagedattn_request_duration_seconds")
@@ -128,7 +128,12 @@ Metrics::Metrics()
                            .Name("pagedattn_backend_healthy")
                            .Help("1 while the compute backend works, 0 after a device error")
                            .Register(*registry_)
-                           .Add({})) {
+                           .Add({})),
+      local_channels_(prometheus::BuildGauge()
+                          .Name("pagedattn_local_channels")
+                          .Help("Local channels (shared-memory rings, OpenLocalChannel) open")
+                          .Register(*registry_)
+                          .Add({})) {
   backend_healthy_.Set(1);
   auto& stages = prometheus::BuildHistogram()
                      .Name("pagedattn_stage_duration_seconds")
@@ -192,15 +197,22 @@ prometheus::Histogram* Metrics::DurationOf(std::string_view method) {
   return it->second;
 }
 
-void Metrics::DeclareMethod(std::string_view method, const std::vector<std::string_view>& codes) {
+void Metrics::DeclareMethod(std::string_view method, const std::vector<std::string_view>& codes,
+                            std::string_view transport) {
   for (std::string_view code : codes) {
-    requests_.Add({{"method", std::string(method)}, {"code", std::string(code)}});
+    requests_.Add({{"method", std::string(method)},
+                   {"code", std::string(code)},
+                   {"transport", std::string(transport)}});
   }
   DurationOf(method);
 }
 
-void Metrics::RecordRequest(std::string_view method, std::string_view code, double seconds) {
-  requests_.Add({{"method", std::string(method)}, {"code", std::string(code)}}).Increment();
+void Metrics::RecordRequest(std::string_view method, std::string_view code, double seconds,
+                            std::string_view transport) {
+  requests_.Add({{"method", std::string(method)},
+                 {"code", std::string(code)},
+                 {"transport", std::string(transport)}})
+      .Increment();
   DurationOf(method)->Observe(seconds);
 }
 
@@ -251,5 +263,6 @@ void Metrics::SetHostTier(int64_t pages_total, int64_t pages_free, int64_t seque
   host_pages_free_->Set(static_cast<double>(pages_free));
   sequences_offloaded_->Set(static_cast<double>(sequences_offloaded));
 }
+void Metrics::SetLocalChannels(int64_t open) { local_channels_.Set(static_cast<double>(open)); }
 
 }  // namespace pagedattn

@@ -60,12 +60,16 @@ class Metrics {
   // The registry to hand to a prometheus::Exposer (or to collect from in tests).
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
-  // Exports pagedattn_requests_total{method,code} at 0 for each of `codes`, and the method's
+  // Exports pagedattn_requests_total{method,code,transport} at 0 for each of `codes`, and the method's
   // pagedattn_request_duration_seconds, so alert rules and dashboards have series before the
   // first request. The service declares its methods once, at start.
-  void DeclareMethod(std::string_view method, const std::vector<std::string_view>& codes);
-  // pagedattn_requests_total{method,code} and pagedattn_request_duration_seconds{method}.
-  void RecordRequest(std::string_view method, std::string_view code, double seconds);
+  // `transport`: "grpc" (an RPC or stream message) or "local" (a local channel descriptor).
+  void DeclareMethod(std::string_view method, const std::vector<std::string_view>& codes,
+                     std::string_view transport = "grpc");
+  // pagedattn_requests_total{method,code,transport} and
+  // pagedattn_request_duration_seconds{method} (all transports together).
+  void RecordRequest(std::string_view method, std::string_view code, double seconds,
+                     std::string_view transport = "grpc");
   // pagedattn_queue_duration_seconds: time a work item waited before its batch launched.
   void RecordQueueDuration(double seconds);
   // pagedattn_batch_size (sequences per launch) and pagedattn_kernel_duration_seconds.
@@ -98,6 +102,8 @@ class Metrics {
   void RecordOffload(int64_t bytes);
   void RecordRestore(int64_t bytes);
   void SetHostTier(int64_t pages_total, int64_t pages_free, int64_t sequences_offloaded);
+  // pagedattn_local_channels: local channels open.
+  void SetLocalChannels(int64_t open);
 
   // Bucket bounds, in seconds: 1 us to 10 s, three per decade.
   static prometheus::Histogram::BucketBoundaries LatencyBuckets();
@@ -128,6 +134,7 @@ class Metrics {
   prometheus::Gauge* host_pages_total_ = nullptr;
   prometheus::Gauge* host_pages_free_ = nullptr;
   prometheus::Gauge* sequences_offloaded_ = nullptr;
+  prometheus::Gauge& local_channels_;
 
   prometheus::Histogram* DurationOf(std::string_view method);
 

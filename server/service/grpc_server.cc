@@ -32,9 +32,8 @@ void SetServing(grpc::Server& server, bool serving) {
 
 }  // namespace
 
-GrpcServer::GrpcServer(std::unique_ptr<PagedAttentionService> service, Engine* engine,
-                       absl::Duration poll)
-    : service_(std::move(service)), engine_(engine), poll_(poll) {}
+GrpcServer::GrpcServer(std::unique_ptr<LocalChannels> local, Engine* engine, absl::Duration poll)
+    : local_(std::move(local)), engine_(engine), poll_(poll) {}
 
 absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const Options& options, Engine* engine,
                                                               Metrics* metrics) {
@@ -61,9 +60,17 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const Options& opt
   service_options.auth_token = options.auth_token;
   service_options.max_message_bytes = options.max_message_bytes;
   service_options.stream_max_in_flight = options.stream_max_in_flight;
-  std::unique_ptr<GrpcServer> server(new GrpcServer(
-      std::make_unique<PagedAttentionService>(service_options, engine, metrics), engine,
-      options.health_poll_interval));
+  std::unique_ptr<LocalChannels> local;
+  if (options.local_channels) {
+    absl::StatusOr<std::unique_ptr<LocalChannels>> created =
+        LocalChannels::Create(options.local, engine, metrics);
+    if (!created.ok()) return created.status();
+    local = *std::move(created);
+    service_options.local_channels = local.get();
+  }
+  std::unique_ptr<GrpcServer> server(
+      new GrpcServer(std::move(local), engine, options.health_poll_interval));
+  server->service_ = std::make_unique<PagedAttentionService>(service_options, engine, metrics);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -126,6 +133,7 @@ void GrpcServer::Shutdown(absl::Time deadline) {
     stopping_ = true;
   }
   if (watcher_.joinable()) watcher_.join();
+  if (local_ != nullptr) local_->Shutdown();
   if (server_ == nullptr) return;  // Start failed
   // The health service's own Shutdown sets every service NOT_SERVING and ignores later updates.
   if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {

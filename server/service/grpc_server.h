@@ -17,6 +17,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/server.h"
 #include "server/engine/engine.h"
+#include "server/local/local_channels.h"
 #include "server/service/auth.h"
 #include "server/service/service.h"
 
@@ -48,6 +49,10 @@ class GrpcServer {
     int32_t http2_max_frame_bytes = 0;
     // How often the watcher polls engine.health().
     absl::Duration health_poll_interval = absl::Milliseconds(200);
+    // Local channels (OpenLocalChannel) for callers on a Unix socket or loopback; Shutdown
+    // closes them first.
+    bool local_channels = true;
+    LocalChannels::Options local;
   };
 
   // Builds and starts the server. INVALID_ARGUMENT for bad options (TLS: see
@@ -63,14 +68,16 @@ class GrpcServer {
 
   // Health NOT_SERVING, stops accepting calls, waits until every call in progress (and every
   // DecodeStream message read) has its response sent or `deadline` passes, then cancels what
-  // is left (idle streams included) and returns once every handler is done. The engine keeps
+  // is left (idle streams included) and returns once every handler is done. Local channels
+  // are closed first (their queued work cancelled). The engine keeps
   // running: the caller drains it afterwards. Idempotent.
   void Shutdown(absl::Time deadline);
 
  private:
-  GrpcServer(std::unique_ptr<PagedAttentionService> service, Engine* engine, absl::Duration poll);
+  GrpcServer(std::unique_ptr<LocalChannels> local, Engine* engine, absl::Duration poll);
   void WatchHealth();
 
+  std::unique_ptr<LocalChannels> local_;  // null when off; outlives the service
   std::unique_ptr<PagedAttentionService> service_;
   std::unique_ptr<grpc::Server> server_;
   Engine* const engine_;

@@ -1,5 +1,7 @@
 #include "server/service/service.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <memory>
 #include <mutex>
@@ -11,6 +13,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "grpcpp/alarm.h"
+#include "server/local/local_channels.h"
+#include "server/local/ring_layout.h"
 #include "server/memory/memory_registry.h"
 #include "server/metrics/metrics.h"
 #include "server/service/decode_stream_reactor.h"
@@ -63,7 +67,8 @@ PagedAttentionService::PagedAttentionService(const Options& options, Engine* eng
   for (std::string_view method :
        {"GetModelConfig", "CreateSequence", "AppendKV", "Decode", "DecodeStream", "ForkSequence",
         "ReleaseSequence", "GetStats", "RegisterSystemMemory", "RegisterCudaMemory",
-        "UnregisterMemory", "ListMemory", "ExportSequence", "ImportSequence", "OffloadSequence"}) {
+        "UnregisterMemory", "ListMemory", "ExportSequence", "ImportSequence", "OffloadSequence",
+        "OpenLocalChannel", "CloseLocalChannel"}) {
     metrics_->DeclareMethod(method, codes);
   }
 }
@@ -330,6 +335,56 @@ grpc::ServerUnaryReactor* PagedAttentionService::OffloadSequence(
   return Unary(context, "OffloadSequence", [&](UnaryCall* call) {
     engine_->OffloadSequence(request->sequence_id(),
                              [call](const absl::Status& s) { call->Complete(s); });
+  });
+}
+
+bool IsLocalPeer(std::string_view peer) {
+  for (std::string_view prefix : {"unix:", "ipv4:127.", "ipv6:[::1]:", "ipv6:%5B::1%5D:",
+                                  "ipv6:[::ffff:127.", "ipv6:%5B::ffff:127."}) {
+    if (peer.starts_with(prefix)) return true;
+  }
+  return false;
+}
+
+grpc::ServerUnaryReactor* PagedAttentionService::OpenLocalChannel(
+    grpc::CallbackServerContext* context, const v1::OpenLocalChannelRequest* request,
+    v1::OpenLocalChannelResponse* response) {
+  return Unary(context, "OpenLocalChannel", [&](UnaryCall* call) {
+    if (options_.local_channels == nullptr) {
+      call->Complete(absl::FailedPreconditionError("local channels are off (--local_channels=off)"));
+      return;
+    }
+    if (!IsLocalPeer(context->peer())) {
+      call->Complete(absl::PermissionDeniedError(
+          "local channels are only for callers on a Unix socket or the loopback interface"));
+      return;
+    }
+    const std::vector<std::string> owned(request->owned_regions().begin(),
+                                         request->owned_regions().end());
+    absl::StatusOr<LocalChannels::Opened> opened = options_.local_channels->Open(
+        request->pid(), request->submission_capacity(), request->completion_capacity(), owned);
+    if (opened.ok()) {
+      response->set_channel_id(opened->channel_id);
+      response->set_shm_name(opened->shm_name);
+      response->set_segment_bytes(opened->segment_bytes);
+      response->set_layout_version(local::kLayoutVersion);
+      response->set_submission_capacity(opened->submit_capacity);
+      response->set_completion_capacity(opened->complete_capacity);
+      response->set_server_pid(static_cast<uint32_t>(getpid()));
+    }
+    call->Complete(opened.status());
+  });
+}
+
+grpc::ServerUnaryReactor* PagedAttentionService::CloseLocalChannel(
+    grpc::CallbackServerContext* context, const v1::CloseLocalChannelRequest* request,
+    v1::CloseLocalChannelResponse* /*response*/) {
+  return Unary(context, "CloseLocalChannel", [&](UnaryCall* call) {
+    if (options_.local_channels == nullptr) {
+      call->Complete(absl::FailedPreconditionError("local channels are off (--local_channels=off)"));
+      return;
+    }
+    call->Complete(options_.local_channels->Close(request->channel_id()));
   });
 }
 

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "pagedattn/v1/pagedattn.grpc.pb.h"
 #include "server/service/auth.h"
@@ -20,8 +21,12 @@
 
 namespace pagedattn {
 
+class LocalChannels;
 class Metrics;
 class UnaryCall;
+
+// True for a gRPC peer string (ServerContext::peer()) of a Unix socket or a loopback address.
+bool IsLocalPeer(std::string_view peer);
 
 class PagedAttentionService final : public v1::PagedAttention::CallbackService {
  public:
@@ -34,6 +39,9 @@ class PagedAttentionService final : public v1::PagedAttention::CallbackService {
     // Checked first in every handler (see server/service/auth.h); failures are UNAUTHENTICATED
     // and counted as pagedattn_rejected_requests_total{reason="unauthenticated"}.
     std::string auth_token;
+    // The server's local channels (OpenLocalChannel); null: local channels are off
+    // (FAILED_PRECONDITION). Borrowed; outlives the service.
+    LocalChannels* local_channels = nullptr;
   };
 
   PagedAttentionService(const Options& options, Engine* engine, Metrics* metrics /* nullable */);
@@ -77,6 +85,14 @@ class PagedAttentionService final : public v1::PagedAttention::CallbackService {
                                        const v1::ListMemoryRequest* request,
                                        v1::ListMemoryResponse* response) override;
   static constexpr absl::Duration kMaxUnregisterWait = absl::Seconds(60);
+  // Local channels: only for a peer on a Unix socket or the loopback interface (else
+  // PERMISSION_DENIED); FAILED_PRECONDITION when they are off.
+  grpc::ServerUnaryReactor* OpenLocalChannel(grpc::CallbackServerContext* context,
+                                             const v1::OpenLocalChannelRequest* request,
+                                             v1::OpenLocalChannelResponse* response) override;
+  grpc::ServerUnaryReactor* CloseLocalChannel(grpc::CallbackServerContext* context,
+                                              const v1::CloseLocalChannelRequest* request,
+                                              v1::CloseLocalChannelResponse* response) override;
 
   // KV beyond one pool (transfer_reactors.h, Engine::ExportSequence and the rest).
   grpc::ServerWriteReactor<v1::ExportSequenceChunk>* ExportSequence(

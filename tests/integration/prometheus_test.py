@@ -84,7 +84,8 @@ def main():
             assert got > 0, got
             # Every launch with attention is observed (appends-only launches may not be).
             assert decodes <= got <= batches, (got, decodes, batches)
-            ok = query(port, 'pagedattn_requests_total{method="Decode",code="OK"}')
+            # Summed over the transport label (grpc, local), as the dashboard and rules do.
+            ok = query(port, 'sum(pagedattn_requests_total{method="Decode",code="OK"})')
             assert ok == decodes, ok
             seqs = query(port, "pagedattn_batch_size_sum")
             assert seqs == 2 * decodes, seqs  # sequences decoded, over all batches

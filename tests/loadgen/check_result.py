@@ -1,6 +1,6 @@
 """Asserts on a pagedattn-loadgen JSON result (or sweep): used by the integration test.
 
-check_result.py FILE [--sweep N] [--no-check] [--no-metrics] [--api unary|stream]
+check_result.py FILE [--sweep N] [--no-check] [--no-metrics] [--api unary|stream] [--transport grpc|local]
 Exit 0 when every assertion holds, 1 with the failed ones listed otherwise. Standard library only.
 """
 import json
@@ -8,7 +8,7 @@ import math
 import sys
 
 
-def check_point(r, failures, where, want_check, want_metrics, api):
+def check_point(r, failures, where, want_check, want_metrics, api, transport="grpc"):
     def expect(cond, what):
         if not cond:
             failures.append(f"{where}: {what}")
@@ -47,6 +47,11 @@ def check_point(r, failures, where, want_check, want_metrics, api):
         expect(rpc in m.get("request_duration", {}), f"server request_duration of {rpc}")
         d = r.get("derived", {})
         expect((d.get("kernel_alone_sequence_decodes_per_s") or 0) > 0, "kernel-alone throughput")
+    expect(r.get("config", {}).get("transport") == transport, f"config.transport {transport}")
+    if want_metrics:
+        totals = (srv.get("metrics") or {}).get("requests_total", {})
+        ok = f'{{code="OK",method="{rpc}",transport="{transport}"}}'
+        expect(totals.get(ok, 0) > 0, f"server counted the decodes as {ok} ({totals})")
     if want_check:
         c = r.get("check", {})
         expect(c.get("enabled") is True, "check enabled")
@@ -60,6 +65,7 @@ def main(argv):
     api = argv[argv.index("--api") + 1] if "--api" in argv else "unary"
     want_check = "--no-check" not in argv
     want_metrics = "--no-metrics" not in argv
+    transport = argv[argv.index("--transport") + 1] if "--transport" in argv else "grpc"
     with open(path) as f:
         doc = json.load(f)
     failures = []
@@ -72,7 +78,7 @@ def main(argv):
         for i, p in enumerate(points):
             check_point(p, failures, f"{path} point {i}", want_check, want_metrics, api)
     else:
-        check_point(doc, failures, path, want_check, want_metrics, api)
+        check_point(doc, failures, path, want_check, want_metrics, api, transport)
     for line in failures:
         print("FAIL", line)
     return 1 if failures else 0

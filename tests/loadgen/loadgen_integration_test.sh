@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # pagedattn-loadgen against a real pagedattn-server (CPU backend, small pool) on loopback.
 #   loadgen_integration_test.sh SERVER LOADGEN PYTHON SOURCE_DIR CASE
-# CASE: closed_unary | closed_stream | open_workload | sweep. Each starts its own server on free
+# CASE: closed_unary | closed_stream | closed_local | open_workload | sweep. Each starts its own server on free
 # ports, runs a few seconds of load and asserts on the JSON with check_result.py.
 set -euo pipefail
 server_bin=$1 loadgen_bin=$2 python=$3 src=$4 case=$5
@@ -49,6 +49,17 @@ case $case in
     loadgen --api=stream --stream_in_flight=3 --batch_size=2 --concurrency=2 --context_len=130 --steps=6 \
       --check_sequences=2 --out="$work/r.json"
     "$python" "$here/check_result.py" "$work/r.json" --api stream
+    ;;
+  closed_local)
+    # Decodes through local channels (one per caller) with tensors in registered shared memory.
+    loadgen --transport=local --tensors=system --batch_size=4 --concurrency=2 --lengths=uniform \
+      --min_context_len=50 --max_context_len=400 --steps=8 --check_sequences=3 --out="$work/r.json"
+    "$python" "$here/check_result.py" "$work/r.json" --transport local
+    # Inline tensors cannot go through a local channel: refused before anything runs.
+    rc=0
+    loadgen --transport=local --steps=1 2>"$work/err.txt" || rc=$?
+    [[ $rc == 2 ]] || { echo "expected exit 2 (bad flags) for --transport=local with inline tensors, got $rc"; exit 1; }
+    grep -q "tensors=system or cuda" "$work/err.txt" || { cat "$work/err.txt"; exit 1; }
     ;;
   open_workload)
     loadgen --mode=open --rate=200 --arrival=fixed --lengths=workload \

@@ -138,7 +138,7 @@ TEST(MetricsTest, RejectionReasonsAndDeclaredMethodsAreExportedAtZero) {
               std::string::npos)
         << reason << "\n" << text;
   }
-  EXPECT_NE(text.find("pagedattn_requests_total{code=\"RESOURCE_EXHAUSTED\",method=\"Decode\"} 0"),
+  EXPECT_NE(text.find("pagedattn_requests_total{code=\"RESOURCE_EXHAUSTED\",method=\"Decode\",transport=\"grpc\"} 0"),
             std::string::npos)
       << text;
   EXPECT_NE(text.find("pagedattn_request_duration_seconds_count{method=\"Decode\"} 0"),
@@ -148,7 +148,16 @@ TEST(MetricsTest, RejectionReasonsAndDeclaredMethodsAreExportedAtZero) {
   metrics.RecordRequest("Decode", "OK", 1e-4);
   const std::string after = prometheus::TextSerializer().Serialize(metrics.registry()->Collect());
   EXPECT_NE(after.find("pagedattn_rejected_requests_total{reason=\"queue_full\"} 1"), std::string::npos);
-  EXPECT_NE(after.find("pagedattn_requests_total{code=\"OK\",method=\"Decode\"} 1"), std::string::npos);
+  EXPECT_NE(after.find("pagedattn_requests_total{code=\"OK\",method=\"Decode\",transport=\"grpc\"} 1"),
+            std::string::npos);
+  metrics.RecordRequest("Decode", "OK", 1e-4, "local");
+  const std::string local = prometheus::TextSerializer().Serialize(metrics.registry()->Collect());
+  EXPECT_NE(local.find("pagedattn_requests_total{code=\"OK\",method=\"Decode\",transport=\"grpc\"} 1"),
+            std::string::npos);
+  EXPECT_NE(local.find("pagedattn_requests_total{code=\"OK\",method=\"Decode\",transport=\"local\"} 1"),
+            std::string::npos);
+  EXPECT_NE(local.find("pagedattn_request_duration_seconds_count{method=\"Decode\"} 2"),
+            std::string::npos);
 }
 
 }  // namespace

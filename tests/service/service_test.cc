@@ -82,7 +82,9 @@ class ServiceTest : public ::testing::Test {
     return r;
   }
 
+  // Summed over the transport label (grpc, local).
   double CounterValue(const std::string& method, const std::string& code) {
+    double sum = 0.0;
     for (const prometheus::MetricFamily& family : metrics_.registry()->Collect()) {
       if (family.name != "pagedattn_requests_total") continue;
       for (const prometheus::ClientMetric& m : family.metric) {
@@ -91,10 +93,10 @@ class ServiceTest : public ::testing::Test {
           if (label.name == "method") got_method = label.value;
           if (label.name == "code") got_code = label.value;
         }
-        if (got_method == method && got_code == code) return m.counter.value;
+        if (got_method == method && got_code == code) sum += m.counter.value;
       }
     }
-    return 0.0;
+    return sum;
   }
 
   std::mt19937_64 rng_{7};

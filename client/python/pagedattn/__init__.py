@@ -14,12 +14,16 @@ float32. Every failure raises PagedAttnError carrying the gRPC status code.
 Tensors by reference: SystemRegion (POSIX shared memory) and CudaRegion (a torch CUDA
 tensor's allocation, by IPC handle) register memory with the server; their TensorRefs go where
 an array would (q, k, v) and as a decode's output / lse.
+
+LocalChannel: decodes by reference to a server on this host through shared-memory rings
+instead of an RPC each (same arguments as Client.decode; x86-64 only).
 """
 
 from . import bf16, tensors
 from .aio import AsyncClient, AsyncDecodeStream
 from .client import Client
 from .errors import PagedAttnError
+from .local import LocalChannel
 from .options import ClientOptions
 from .regions import CudaRegion, SystemRegion
 from .types import DecodeCall, DecodeResult, MemoryRegion, ModelConfig, Stats, TensorRef
@@ -28,6 +32,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncClient", "AsyncDecodeStream", "Client", "ClientOptions", "CudaRegion", "DecodeCall",
-    "DecodeResult", "MemoryRegion", "ModelConfig", "PagedAttnError", "Stats", "SystemRegion",
+    "DecodeResult", "LocalChannel", "MemoryRegion", "ModelConfig", "PagedAttnError", "Stats", "SystemRegion",
     "TensorRef", "bf16", "tensors",
 ]
