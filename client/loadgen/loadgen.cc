@@ -12,11 +12,12 @@
 #include "client/loadgen/report.h"
 #include "client/loadgen/run_state.h"
 #include "client/loadgen/server_metrics.h"
+#include "pagedattn/kernels/shape.h"
 
 namespace pagedattn::loadgen {
 namespace {
 
-constexpr int64_t kPageSize = 64;
+constexpr int64_t kPageSize = kernels::Shape{}.page_size;
 
 int64_t Pages(int64_t tokens) { return (tokens + kPageSize - 1) / kPageSize; }
 
@@ -61,9 +62,15 @@ absl::Status Validate(const LoadGenOptions& o, const v1::GetModelConfigResponse&
   if (o.fill_concurrency < 1) return absl::InvalidArgumentError("fill_concurrency must be >= 1");
   if (o.stream_in_flight < 1) return absl::InvalidArgumentError("stream_in_flight must be >= 1");
   if (o.sm_scale < 0 || !std::isfinite(o.sm_scale)) return absl::InvalidArgumentError("sm_scale must be finite and >= 0");
-  if (config.num_qo_heads() != 24 || config.num_kv_heads() != 4 || config.head_dim() != 128 ||
-      config.page_size() != kPageSize) {
-    return absl::FailedPreconditionError("the server's shapes are not 24/4/128 with 64-token pages");
+  const kernels::Shape shape;  // the one shape the load generator drives
+  if (config.num_qo_heads() != shape.num_qo_heads || config.num_kv_heads() != shape.num_kv_heads ||
+      config.head_dim() != shape.head_dim || config.page_size() != shape.page_size ||
+      (!config.dtype().empty() && config.dtype() != "bf16") ||
+      (!config.kv_cache_dtype().empty() && config.kv_cache_dtype() != "bf16")) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "pagedattn-loadgen drives ", kernels::DescribeShape(shape), " only; the server runs ",
+        config.num_qo_heads(), "/", config.num_kv_heads(), "/", config.head_dim(), ", pages of ",
+        config.page_size(), ", ", config.dtype(), ", kv ", config.kv_cache_dtype()));
   }
   return absl::OkStatus();
 }
