@@ -124,10 +124,10 @@ class Backend {
     int32_t num_layers = 1;      // > 0
     int64_t num_pages = 0;       // per layer, > 0; num_layers * num_pages <= INT32_MAX
     int32_t max_batch_size = 0;  // sequences per launch (plan.batch_size() never exceeds it)
-    kernels::Shape model;        // heads, head size, page size, element types (ValidateShape)
+    kernels::Shape model{};      // heads, head size, page size, element types (ValidateShape)
     // fp8 pages: each layer's K and V scale (a stored value reads back as value * scale);
     // [num_layers] each, or empty for 1.0. Ignored for bf16 and fp16 pages.
-    std::vector<float> k_scales, v_scales;
+    std::vector<float> k_scales{}, v_scales{};
 
     float k_scale(int32_t layer) const { return k_scales.empty() ? 1.0f : k_scales[layer]; }
     float v_scale(int32_t layer) const { return v_scales.empty() ? 1.0f : v_scales[layer]; }

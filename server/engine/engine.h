@@ -159,9 +159,9 @@ class Engine {
     int32_t num_layers = 1;                               // > 0
     int64_t num_pages = 4096;                             // > 0, per layer
     int32_t max_batch_size = 64;                          // sequences per launch, > 0
-    kernels::Shape model;                                 // a supported shape (ValidateShape)
+    kernels::Shape model{};                               // a supported shape (ValidateShape)
     // fp8 pages: each layer's K and V scale ([num_layers] each, or empty for 1.0).
-    std::vector<float> k_scales, v_scales;
+    std::vector<float> k_scales{}, v_scales{};
     absl::Duration max_queue_delay = absl::Microseconds(200);  // longest wait to fill a batch
     int32_t max_queue_depth = 4096;                       // waiting work items; more: UNAVAILABLE
     // How long the executor (and the completion thread) spin, yielding, for new work before

@@ -33,7 +33,7 @@ class StepBuilder {
   struct Options {
     int32_t num_layers = 1;  // > 0
     int64_t num_pages = 0;   // per layer, > 0
-    kernels::Shape model;    // the sizes of rows and pages
+    kernels::Shape model{};  // the sizes of rows and pages
   };
   // INVALID_ARGUMENT for bad options. `metrics` (nullable) outlives the builder.
   static absl::StatusOr<std::unique_ptr<StepBuilder>> Create(const Options& options,

@@ -41,7 +41,7 @@ class Tiers {
  public:
   struct Options {
     int32_t num_layers = 1;   // the pool's
-    kernels::Shape model;     // the pool's pages
+    kernels::Shape model{};   // the pool's pages
     int64_t host_pages = 0;   // 0: no host tier (Export and Import still work)
     bool offload_lru = false;
     std::function<void(const absl::Status&)> backend_failed;
