@@ -63,6 +63,24 @@ absl::StatusOr<std::string> ReadPem(const std::string& path) {
   return content.str();
 }
 
+// An exported chunk as an import chunk of `sequence_id`, all but its k and v: the first also
+// names the new sequence, its length, and the pages' type and fp8 scales.
+v1::ImportSequenceChunk ImportHeader(const v1::ExportSequenceChunk& c, uint64_t sequence_id,
+                                     bool first) {
+  v1::ImportSequenceChunk out;
+  if (first) {
+    out.set_sequence_id(sequence_id);
+    out.set_length(c.length());
+    out.set_kv_cache_dtype(c.kv_cache_dtype());
+    *out.mutable_k_scale() = c.k_scale();
+    *out.mutable_v_scale() = c.v_scale();
+  }
+  out.set_layer(c.layer());
+  out.set_first_token(c.first_token());
+  out.set_num_tokens(c.num_tokens());
+  return out;
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
@@ -227,17 +245,7 @@ absl::StatusOr<int64_t> Client::ImportSequence(uint64_t sequence_id,
   converted.reserve(chunks.size());
   for (size_t i = 0; i < chunks.size(); ++i) {
     const v1::ExportSequenceChunk& c = chunks[i];
-    v1::ImportSequenceChunk& out = converted.emplace_back();
-    if (i == 0) {
-      out.set_sequence_id(sequence_id);
-      out.set_length(c.length());
-      out.set_kv_cache_dtype(c.kv_cache_dtype());
-      *out.mutable_k_scale() = c.k_scale();
-      *out.mutable_v_scale() = c.v_scale();
-    }
-    out.set_layer(c.layer());
-    out.set_first_token(c.first_token());
-    out.set_num_tokens(c.num_tokens());
+    v1::ImportSequenceChunk& out = converted.emplace_back(ImportHeader(c, sequence_id, i == 0));
     out.set_k(c.k());
     out.set_v(c.v());
   }
@@ -274,18 +282,8 @@ absl::StatusOr<int64_t> Client::CopySequenceTo(uint64_t sequence_id, Client& des
   bool refused = false;  // the destination finished its import early
   v1::ExportSequenceChunk chunk;
   while (reader->Read(&chunk)) {
-    v1::ImportSequenceChunk out;
-    if (first) {
-      out.set_sequence_id(sequence_id);
-      out.set_length(chunk.length());
-      out.set_kv_cache_dtype(chunk.kv_cache_dtype());
-      *out.mutable_k_scale() = chunk.k_scale();
-      *out.mutable_v_scale() = chunk.v_scale();
-      first = false;
-    }
-    out.set_layer(chunk.layer());
-    out.set_first_token(chunk.first_token());
-    out.set_num_tokens(chunk.num_tokens());
+    v1::ImportSequenceChunk out = ImportHeader(chunk, sequence_id, first);
+    first = false;
     moved += static_cast<int64_t>(chunk.k().size() + chunk.v().size());
     out.set_allocated_k(chunk.release_k());
     out.set_allocated_v(chunk.release_v());
