@@ -189,7 +189,7 @@ bool DeviceBatch::Reference(std::vector<double>* out, std::vector<double>* lse,
   if (b.f64_reference) {
     ParallelFor(b.size(), [&](int64_t s) {
       DecodeArgs one = a;
-      one.q = a.q + s * kQueryElems;
+      one.q = static_cast<const uint16_t*>(a.q) + s * kQueryElems;
       one.kv_indptr = a.kv_indptr + s;
       one.kv_last_page_len = a.kv_last_page_len + s;
       one.batch_size = 1;
