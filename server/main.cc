@@ -342,11 +342,14 @@ int Serve() {
   engine_options.completion_thread = completion == "on" || (completion == "auto" && cuda);
   {
     const int64_t host_bytes = absl::GetFlag(FLAGS_host_kv_bytes);
-    const int64_t host_page_bytes = 2 * int64_t{engine_options.num_layers} * (64 * 4 * 128 * 2);
+    // A host page holds one pool page of every layer, K and V, as the pages store them.
+    const int64_t host_page_bytes =
+        2 * int64_t{engine_options.num_layers} * engine_options.model.page_bytes();
     const std::string policy = absl::GetFlag(FLAGS_kv_offload_policy);
     if (host_bytes < 0 || (host_bytes > 0 && host_bytes < host_page_bytes)) {
-      return Fail("flags", absl::InvalidArgumentError(
-                               "--host_kv_bytes must be 0 or at least one host page (128 KiB x num_layers)"));
+      return Fail("flags", absl::InvalidArgumentError(absl::StrCat(
+                               "--host_kv_bytes must be 0 or at least one host page (",
+                               host_page_bytes, " bytes: 2 x num_layers x a page's bytes)")));
     }
     if (policy != "none" && policy != "lru") {
       return Fail("flags", absl::InvalidArgumentError("--kv_offload_policy must be none or lru"));

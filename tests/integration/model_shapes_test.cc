@@ -274,8 +274,10 @@ struct ShapeServer {
   std::unique_ptr<client::Client> client;
 };
 
-ShapeServer StartShapeServer(const k::Shape& shape, const std::string& scales_file) {
+ShapeServer StartShapeServer(const k::Shape& shape, const std::string& scales_file,
+                             const std::vector<std::string>& extra_flags = {}) {
   std::vector<std::string> flags = ShapeFlags(shape);
+  flags.insert(flags.end(), extra_flags.begin(), extra_flags.end());
   for (const std::string& f : {Flag("num_layers", kLayers), std::string("--num_pages=32"),
                                std::string("--cpu_threads=2"), std::string("--backend=cpu")}) {
     flags.push_back(f);
@@ -292,6 +294,19 @@ ShapeServer StartShapeServer(const k::Shape& shape, const std::string& scales_fi
   EXPECT_TRUE(c.ok()) << c.status();
   if (c.ok()) s.client = *std::move(c);
   return s;
+}
+
+// --host_kv_bytes buys host pages of the model's own size: one pool page of every layer, K and
+// V, as the pages store them (16 KiB each here, a quarter of the default shape's).
+TEST(ModelShapeHostTierTest, HostKvBytesBuysPagesOfTheModelsSize) {
+  const k::Shape fp8{32, 8, 128, 16, DType::kBf16, DType::kFp8E4m3};
+  const int64_t host_page = 2 * kLayers * fp8.page_bytes();
+  ShapeServer s = StartShapeServer(fp8, "", {Flag("host_kv_bytes", 10 * host_page + 100)});
+  ASSERT_TRUE(s.client);
+  absl::StatusOr<v1::GetStatsResponse> stats = s.client->GetStats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->host_pages_total(), 10);
+  EXPECT_EQ(stats->host_pages_free(), 10);
 }
 
 TEST(ModelShapeExportTest, Fp8PagesMoveWithTheirScalesAndOnlyToTheSamePages) {
