@@ -37,7 +37,7 @@ class LocalChannel {
     uint32_t submission_capacity = 0;  // powers of two up to 1024; 0: the server's default (64)
     uint32_t completion_capacity = 0;
     // Registered regions the channel owns: the server unregisters them when it closes.
-    std::vector<std::string> owned_regions;
+    std::vector<std::string> owned_regions{};
     absl::Duration spin = absl::Microseconds(50);  // busy wait before sleeping on the futex
   };
 

@@ -46,11 +46,18 @@ struct LengthOptions {
   std::vector<std::string> shape_names;   // empty: every shape
   std::string workload_order = "cycle";   // cycle | random
   int64_t max_workload_len = 0;           // > 0: workload lengths are clamped to it
+  // Tokens per page of the workload file (its lengths are in its own pages, whatever the
+  // server's): > 0 as given; 0: the "_ps<N>" of the file's name, else the server's page size.
+  int32_t workload_page_size = 0;
   uint64_t seed = 1;
 };
 
+// The page size a workload file's name states ("..._ps64.jsonl": 64), or `fallback`.
+int32_t WorkloadPageSizeFromName(const std::string& path, int32_t fallback);
+
 // n lengths, each >= 1 (a workload's empty sequences become 1 token). INVALID_ARGUMENT for bad
 // options; the errors of LoadWorkloadFile; NOT_FOUND for a shape name that is not in the file.
+// page_size: the server's (a workload file's page size when neither options nor the name say).
 absl::StatusOr<std::vector<int64_t>> DrawLengths(const LengthOptions& options, int64_t n,
                                                  int32_t page_size = 64);
 
