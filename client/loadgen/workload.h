@@ -10,23 +10,25 @@
 
 #include "absl/strings/string_view.h"
 #include "absl/status/statusor.h"
+#include "pagedattn/kernels/shape.h"
 
 namespace pagedattn::loadgen {
 
 // One recorded batch shape: the token count of each of its sequences.
 struct WorkloadShape {
   std::string name;
-  std::vector<int64_t> lengths;  // batch_size entries; (pages - 1) * 64 + last_page_len, 0 if no pages
+  std::vector<int64_t> lengths;  // batch_size entries; (pages - 1) * page_size + last_page_len, 0 if no pages
 };
 
 // Parses one line. INVALID_ARGUMENT when a field is missing or inconsistent (kv_indptr not of
-// batch_size + 1 non-decreasing entries starting at 0, last page lengths outside 1..64).
-absl::StatusOr<WorkloadShape> ParseWorkloadLine(absl::string_view line, int32_t page_size = 64);
+// batch_size + 1 non-decreasing entries starting at 0, last page lengths outside 1..page_size).
+absl::StatusOr<WorkloadShape> ParseWorkloadLine(absl::string_view line,
+                                                int32_t page_size = kernels::Shape{}.page_size);
 
 // Every non-empty line of the file. NOT_FOUND if it cannot be read, INVALID_ARGUMENT (with the
 // line number) for a bad line or an empty file.
 absl::StatusOr<std::vector<WorkloadShape>> LoadWorkloadFile(const std::string& path,
-                                                            int32_t page_size = 64);
+                                                            int32_t page_size = kernels::Shape{}.page_size);
 
 // The workload file to use when none is given: kernels/bench/workloads/<name>, relative to the
 // working directory (run from the repository root); "" if it does not exist there.
@@ -59,6 +61,6 @@ int32_t WorkloadPageSizeFromName(const std::string& path, int32_t fallback);
 // options; the errors of LoadWorkloadFile; NOT_FOUND for a shape name that is not in the file.
 // page_size: the server's (a workload file's page size when neither options nor the name say).
 absl::StatusOr<std::vector<int64_t>> DrawLengths(const LengthOptions& options, int64_t n,
-                                                 int32_t page_size = 64);
+                                                 int32_t page_size = kernels::Shape{}.page_size);
 
 }  // namespace pagedattn::loadgen
