@@ -241,7 +241,8 @@ absl::StatusOr<Json> RunLoad(const LoadGenOptions& o, client::Client* client,
   if (o.check_sequences > 0) {
     // fp8 pages: the check quantizes what it sent with the server's scales (one past the run's
     // sequence ids is free for the probe; the base leaves room for 2^24).
-    absl::StatusOr<KvScales> read = ReadKvScales(client, state.shape, state.num_layers, base + static_cast<uint64_t>(n));
+    absl::StatusOr<KvScales> read =
+        ReadKvScales(client, state.shape, state.num_layers, base + static_cast<uint64_t>(n));
     if (!read.ok()) return read.status();
     scales = *std::move(read);
     check_options.shape = state.shape;

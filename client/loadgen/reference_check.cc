@@ -72,8 +72,8 @@ int64_t ReferenceCheck::OnDecodeSent(uint64_t sequence_id, int32_t layer, absl::
   absl::MutexLock lock(&mu_);
   auto it = stored_.find(sequence_id);
   if (it == stored_.end() || !it->second.active || layer < 0 || layer >= options_.num_layers) return -1;
-  const std::string& k_rows = it->second.k[static_cast<size_t>(layer)];
-  Store(kb, ScaleOf(options_.k_scales, layer), &it->second.k[static_cast<size_t>(layer)]);
+  std::string& k_rows = it->second.k[static_cast<size_t>(layer)];
+  Store(kb, ScaleOf(options_.k_scales, layer), &k_rows);
   Store(vb, ScaleOf(options_.v_scales, layer), &it->second.v[static_cast<size_t>(layer)]);
   if (options_.max_decodes <= 0 || seen_++ % stride_ != 0) return -1;
   if (static_cast<int64_t>(kept_.size()) >= options_.max_decodes) {
