@@ -227,6 +227,7 @@ int main(int argc, char** argv) {
 
   Json points = Json::Array();
   Json single;
+  std::string sweep_shape;
   bool all_ok = true;
   for (const int64_t ctx : sweep_ctx) {
     for (const int64_t b : sweep_b) {
@@ -251,6 +252,7 @@ int main(int argc, char** argv) {
       }
       if (Json* cfg = result->Find("config"); cfg != nullptr) cfg->Set("target", client_options.target);
       std::cout << pagedattn::loadgen::FormatSummary(*result) << std::flush;
+      if (const Json* shape = result->Find("shape"); shape != nullptr) sweep_shape = shape->string();
       all_ok = all_ok && Succeeded(*result);
       if (sweep) {
         points.Push(*std::move(result));
@@ -265,6 +267,8 @@ int main(int argc, char** argv) {
     out = Json::Object();
     out.Set("schema", "pagedattn-loadgen-sweep/1");
     out.Set("target", client_options.target);
+    // The server's shape (each point names it too; one server serves one shape).
+    if (!sweep_shape.empty()) out.Set("shape", sweep_shape);
     Json bs = Json::Array();
     for (const int64_t b : sweep_b) bs.Push(b);
     Json cs = Json::Array();

@@ -95,6 +95,8 @@ def main(argv):
     if sweep:
         if doc.get("schema") != "pagedattn-loadgen-sweep/1":
             failures.append("sweep schema")
+        if doc.get("shape") != shape:
+            failures.append(f"sweep shape {doc.get('shape')!r}, expected {shape!r}")
         points = doc.get("points", [])
         if len(points) != sweep:
             failures.append(f"{len(points)} sweep points, expected {sweep}")
