@@ -50,7 +50,7 @@ ABSL_FLAG(std::string, q_file, "",
           "decode: raw queries [B, num_qo_heads, head_dim] in the server's dtype (default: random "
           "normal)");
 ABSL_FLAG(std::string, output_file, "", "decode: write the last layer's raw output here");
-ABSL_FLAG(float, sm_scale, 0.0f, "decode: softmax scale (0: 1/sqrt(128))");
+ABSL_FLAG(float, sm_scale, 0.0f, "decode: softmax scale (0: 1/sqrt(head_dim))");
 ABSL_FLAG(uint64_t, request_id, 1, "decode: request id (echoed by the server)");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the random normal data");
 ABSL_FLAG(uint64_t, offset, 0, "register: where the region starts in the shared-memory object");

@@ -12,14 +12,11 @@
 #include "client/loadgen/report.h"
 #include "client/loadgen/run_state.h"
 #include "client/loadgen/server_metrics.h"
+#include "client/loadgen/server_shape.h"
 #include "pagedattn/kernels/shape.h"
 
 namespace pagedattn::loadgen {
 namespace {
-
-constexpr int64_t kPageSize = kernels::Shape{}.page_size;
-
-int64_t Pages(int64_t tokens) { return (tokens + kPageSize - 1) / kPageSize; }
 
 absl::Status Validate(const LoadGenOptions& o, const v1::GetModelConfigResponse& config) {
   if (o.mode != "closed" && o.mode != "open") return absl::InvalidArgumentError("mode must be closed or open");
@@ -62,15 +59,8 @@ absl::Status Validate(const LoadGenOptions& o, const v1::GetModelConfigResponse&
   if (o.fill_concurrency < 1) return absl::InvalidArgumentError("fill_concurrency must be >= 1");
   if (o.stream_in_flight < 1) return absl::InvalidArgumentError("stream_in_flight must be >= 1");
   if (o.sm_scale < 0 || !std::isfinite(o.sm_scale)) return absl::InvalidArgumentError("sm_scale must be finite and >= 0");
-  const kernels::Shape shape;  // the one shape the load generator drives
-  if (config.num_qo_heads() != shape.num_qo_heads || config.num_kv_heads() != shape.num_kv_heads ||
-      config.head_dim() != shape.head_dim || config.page_size() != shape.page_size ||
-      (!config.dtype().empty() && config.dtype() != "bf16") ||
-      (!config.kv_cache_dtype().empty() && config.kv_cache_dtype() != "bf16")) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "pagedattn-loadgen drives ", kernels::DescribeShape(shape), " only; the server runs ",
-        config.num_qo_heads(), "/", config.num_kv_heads(), "/", config.head_dim(), ", pages of ",
-        config.page_size(), ", ", config.dtype(), ", kv ", config.kv_cache_dtype()));
+  if (config.num_layers() < 1) {
+    return absl::FailedPreconditionError(absl::StrCat("the server reports ", config.num_layers(), " layers"));
   }
   return absl::OkStatus();
 }
@@ -116,8 +106,8 @@ absl::Status Fill(RunState& state, int32_t chunk_tokens, int64_t* bytes_sent) {
         for (int64_t done = 0; done < seq.prefill;) {
           const int32_t n = static_cast<int32_t>(std::min<int64_t>(chunk_tokens, seq.prefill - done));
           for (int32_t layer = 0; layer < state.num_layers; ++layer) {
-            std::string k = state.pool->Slice(n * kKvRowBytes);
-            std::string v = state.pool->Slice(n * kKvRowBytes);
+            std::string k = state.pool->Slice(n * state.shape.token_bytes());
+            std::string v = state.pool->Slice(n * state.shape.token_bytes());
             if (state.check != nullptr) state.check->OnAppend(seq.id, layer, k, v);
             t0 = SteadyClock::now();
             absl::StatusOr<int64_t> length = state.client->AppendKV(seq.id, layer, n, std::move(k), std::move(v));
@@ -133,7 +123,7 @@ absl::Status Fill(RunState& state, int32_t chunk_tokens, int64_t* bytes_sent) {
               return absl::InternalError(absl::StrCat("AppendKV: sequence ", seq.id, " has ", *length,
                                                       " committed tokens, expected ", want));
             }
-            bytes.fetch_add(2 * n * kKvRowBytes);
+            bytes.fetch_add(2 * n * state.shape.token_bytes());
           }
           done += n;
         }
@@ -180,10 +170,13 @@ absl::StatusOr<Json> RunLoad(const LoadGenOptions& o, client::Client* client,
   state.AddSample("GetModelConfig", SecondsBetween(t0, SteadyClock::now()));
   if (!config.ok()) return config.status();
   if (absl::Status s = Validate(o, *config); !s.ok()) return s;
+  absl::StatusOr<kernels::Shape> shape = ShapeFromConfig(*config);
+  if (!shape.ok()) return shape.status();
+  state.shape = *shape;
   state.num_layers = config->num_layers();
 
   const int64_t n = o.num_sequences > 0 ? o.num_sequences : int64_t{o.concurrency} * o.batch_size;
-  absl::StatusOr<std::vector<int64_t>> lengths = DrawLengths(o.lengths, n, config->page_size());
+  absl::StatusOr<std::vector<int64_t>> lengths = DrawLengths(o.lengths, n, state.shape.page_size);
   if (!lengths.ok()) return lengths.status();
 
   uint64_t base = o.sequence_id_base;
@@ -213,7 +206,7 @@ absl::StatusOr<Json> RunLoad(const LoadGenOptions& o, client::Client* client,
   // Capacity: the prefill plus the tokens that the steps append (when their count is known).
   const int64_t growth = o.decode_kv ? o.warmup_steps + (o.steps > 0 ? o.steps : 1) : 0;
   int64_t pages_needed = 0;
-  for (const Sequence& s : state.sequences) pages_needed += Pages(s.prefill + growth);
+  for (const Sequence& s : state.sequences) pages_needed += state.shape.pages_for(s.prefill + growth);
   t0 = SteadyClock::now();
   absl::StatusOr<v1::GetStatsResponse> stats0 = client->GetStats();
   state.AddSample("GetStats", SecondsBetween(t0, SteadyClock::now()));
@@ -227,21 +220,34 @@ absl::StatusOr<Json> RunLoad(const LoadGenOptions& o, client::Client* client,
 
   const int64_t limit = std::min<int64_t>(config->max_message_bytes() > 0 ? config->max_message_bytes() : (4 << 20),
                                           64 << 20);
+  const int64_t row_bytes = state.shape.token_bytes();
   const int32_t chunk = static_cast<int32_t>(
-      std::max<int64_t>(1, std::min<int64_t>(o.prefill_chunk_tokens, (limit - (64 << 10)) / (2 * kKvRowBytes))));
-  const int64_t largest_slice = std::max<int64_t>(int64_t{chunk} * kKvRowBytes, int64_t{o.batch_size} * kQueryBytes);
-  state.pool = std::make_unique<RandomPool>(std::max<int64_t>(16 << 20, 4 * largest_slice), o.seed);
+      std::max<int64_t>(1, std::min<int64_t>(o.prefill_chunk_tokens, (limit - (64 << 10)) / (2 * row_bytes))));
+  const int64_t largest_slice =
+      std::max<int64_t>(int64_t{chunk} * row_bytes, int64_t{o.batch_size} * state.shape.query_bytes());
+  state.pool = std::make_unique<RandomPool>(std::max<int64_t>(16 << 20, 4 * largest_slice), o.seed,
+                                            kernels::DTypeName(state.shape.dtype));
   if (o.tensors != "inline") {
     state.slots_per_caller = o.api == "stream" ? std::max(1, o.stream_in_flight) : 1;
     absl::StatusOr<std::unique_ptr<TensorSlots>> slots =
-        TensorSlots::Create(o.tensors, client, o.concurrency * state.slots_per_caller, o.batch_size,
-                            o.cuda_device, *state.pool);
+        TensorSlots::Create(o.tensors, client, state.shape, o.concurrency * state.slots_per_caller,
+                            o.batch_size, o.cuda_device, *state.pool);
     if (!slots.ok()) return slots.status();
     state.slots = *std::move(slots);
   }
 
   ReferenceCheck::Options check_options;
+  KvScales scales;
   if (o.check_sequences > 0) {
+    // fp8 pages: the check quantizes what it sent with the server's scales (one past the run's
+    // sequence ids is free for the probe; the base leaves room for 2^24).
+    absl::StatusOr<KvScales> read =
+        ReadKvScales(client, state.shape, state.num_layers, base + static_cast<uint64_t>(n));
+    if (!read.ok()) return read.status();
+    scales = *std::move(read);
+    check_options.shape = state.shape;
+    check_options.k_scales = scales.k_scales;
+    check_options.v_scales = scales.v_scales;
     check_options.num_layers = state.num_layers;
     check_options.max_decodes = o.check_decodes;
     check_options.sm_scale = o.sm_scale;
@@ -251,7 +257,8 @@ absl::StatusOr<Json> RunLoad(const LoadGenOptions& o, client::Client* client,
     for (int64_t k = 0; k < want; ++k) state.check->Sample(state.sequences[static_cast<size_t>(k * n / want)].id);
   }
 
-  say(absl::StrCat("server ", config->backend(), ", ", config->num_layers(), " layer(s), ", config->num_pages(),
+  say(absl::StrCat("server ", config->backend(), ", ", kernels::DescribeShape(state.shape), ", ",
+                   config->num_layers(), " layer(s), ", config->num_pages(),
                    " pages; filling ", n, " sequences (", prefill_tokens, " tokens, ", min_len, "..", max_len,
                    ") in chunks of ", chunk));
   int64_t fill_bytes = 0;
@@ -312,6 +319,7 @@ absl::StatusOr<Json> RunLoad(const LoadGenOptions& o, client::Client* client,
   RunFacts facts;
   facts.options = &o;
   facts.config = *config;
+  facts.kv_scales = scales;
   facts.num_sequences = n;
   facts.prefill_tokens = prefill_tokens;
   facts.prefill_min = min_len;

@@ -1,18 +1,20 @@
 // The load generator: acts as an LLM scheduler against a pagedattn server. One run creates
 // num_sequences sequences with context lengths from LengthOptions, fills them with chunked
-// AppendKV prefill (random normal bf16), then decodes: every step of a batch of batch_size
+// AppendKV prefill (random normal values), then decodes: every step of a batch of batch_size
 // sequences walks the server's layers 0..L-1 in order (one Decode per layer, carrying each
 // sequence's new token when decode_kv), either closed loop (concurrency callers, unary calls or
 // one DecodeStream each) or open loop (steps arriving at `rate` per second, Poisson or fixed).
-// It measures client-side latency per RPC, throughput and KV bytes read, the server's own
-// breakdown from its Prometheus endpoint (histogram deltas over the timed phase) and GetStats
-// deltas, optionally checks sampled decodes against the float64 CPU reference, and releases its
-// sequences at the end.
+// Every size comes from the server's shape (GetModelConfig: head counts, head size, page size,
+// dtype and page type), so any shape the server serves is driven. It measures client-side
+// latency per RPC, throughput and KV bytes read, the server's own breakdown from its Prometheus
+// endpoint (histogram deltas over the timed phase) and GetStats deltas, optionally checks
+// sampled decodes against the float64 CPU reference, and releases its sequences at the end.
 //
 // Blocking: RunLoad blocks for the whole run. The client is shared (gRPC channels are
 // thread-safe). Errors: INVALID_ARGUMENT for bad options; FAILED_PRECONDITION when the server's
-// pool cannot hold the sequences; the RPC status of a failed setup call (create, append). Decode
-// errors during the timed phase do not fail the run: they are counted in the result.
+// pool cannot hold the sequences or it reports a shape this client cannot drive; the RPC status
+// of a failed setup call (create, append, and for the check of fp8 pages the scales' export).
+// Decode errors during the timed phase do not fail the run: they are counted in the result.
 #pragma once
 
 #include <cstdint>
@@ -61,7 +63,7 @@ struct LoadGenOptions {
   int32_t rpc_floor_samples = 200;
   int32_t check_sequences = 0;       // sequences sampled for the reference check; 0: off
   int64_t check_decodes = 32;        // sequence-decodes checked at most
-  float sm_scale = 0.0f;             // sent in every Decode; 0: the server's default 1/sqrt(128)
+  float sm_scale = 0.0f;             // sent in every Decode; 0: the server's default 1/sqrt(head_dim)
   uint64_t seed = 1;
   uint64_t sequence_id_base = 0;     // ids are base + i; 0: a random base
   bool release = true;               // release the sequences at the end

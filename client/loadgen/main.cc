@@ -53,6 +53,9 @@ ABSL_FLAG(std::string, workload_file, "",
 ABSL_FLAG(std::string, workload_shapes, "", "workload: comma-separated shape names (empty: every shape)");
 ABSL_FLAG(std::string, workload_order, "cycle", "workload: cycle through the sequences in order | random");
 ABSL_FLAG(int64_t, max_workload_len, 0, "workload: clamp each length to this many tokens (0: no clamp)");
+ABSL_FLAG(int32_t, workload_page_size, 0,
+          "workload: tokens per page of the file's kv_indptr/kv_last_page_len; 0: the _ps<N> of its name, "
+          "else the server's page size");
 
 ABSL_FLAG(int32_t, prefill_chunk_tokens, 2048, "Tokens per AppendKV (capped by the message limit)");
 ABSL_FLAG(int32_t, fill_concurrency, 4, "Threads creating, filling and releasing sequences");
@@ -78,7 +81,7 @@ ABSL_FLAG(int32_t, rpc_floor_samples, 200,
           "GetModelConfig round trips timed before the run: this client's RPC floor (latency \"rpc_floor\")");
 ABSL_FLAG(int32_t, check_sequences, 0, "Sequences whose decodes are checked against the CPU reference; 0: off");
 ABSL_FLAG(int64_t, check_decodes, 32, "Sequence-decodes checked at most (spread over the run)");
-ABSL_FLAG(float, sm_scale, 0.0f, "Softmax scale sent with each Decode; 0: the server's 1/sqrt(128)");
+ABSL_FLAG(float, sm_scale, 0.0f, "Softmax scale sent with each Decode; 0: the server's 1/sqrt(head_dim)");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the lengths and the random data");
 ABSL_FLAG(uint64_t, sequence_id_base, 0, "Sequence ids are base + i; 0: a random base");
 ABSL_FLAG(bool, release, true, "Release the sequences at the end");
@@ -116,6 +119,7 @@ pagedattn::loadgen::LoadGenOptions OptionsFromFlags() {
   o.lengths.shape_names = absl::StrSplit(absl::GetFlag(FLAGS_workload_shapes), ',', absl::SkipWhitespace());
   o.lengths.workload_order = absl::GetFlag(FLAGS_workload_order);
   o.lengths.max_workload_len = absl::GetFlag(FLAGS_max_workload_len);
+  o.lengths.workload_page_size = absl::GetFlag(FLAGS_workload_page_size);
   o.lengths.seed = absl::GetFlag(FLAGS_seed);
   o.prefill_chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk_tokens);
   o.fill_concurrency = absl::GetFlag(FLAGS_fill_concurrency);
@@ -223,6 +227,7 @@ int main(int argc, char** argv) {
 
   Json points = Json::Array();
   Json single;
+  std::string sweep_shape;
   bool all_ok = true;
   for (const int64_t ctx : sweep_ctx) {
     for (const int64_t b : sweep_b) {
@@ -247,6 +252,7 @@ int main(int argc, char** argv) {
       }
       if (Json* cfg = result->Find("config"); cfg != nullptr) cfg->Set("target", client_options.target);
       std::cout << pagedattn::loadgen::FormatSummary(*result) << std::flush;
+      if (const Json* shape = result->Find("shape"); shape != nullptr) sweep_shape = shape->string();
       all_ok = all_ok && Succeeded(*result);
       if (sweep) {
         points.Push(*std::move(result));
@@ -261,6 +267,8 @@ int main(int argc, char** argv) {
     out = Json::Object();
     out.Set("schema", "pagedattn-loadgen-sweep/1");
     out.Set("target", client_options.target);
+    // The server's shape (each point names it too; one server serves one shape).
+    if (!sweep_shape.empty()) out.Set("shape", sweep_shape);
     Json bs = Json::Array();
     for (const int64_t b : sweep_b) bs.Push(b);
     Json cs = Json::Array();

@@ -38,6 +38,7 @@ def load_points(path):
             "kernel_gbps": (p.get("derived") or {}).get("kernel_kv_gb_per_s"),
             "backend": cfg.get("server", {}).get("backend", "?"),
             "callers": cfg.get("concurrency", 1),
+            "shape": p.get("shape", "24/4/128, pages of 64, bf16, kv bf16"),  # older results: the default
         })
     return out
 
@@ -100,8 +101,9 @@ def draw(points, out, title):
         ax.legend(fontsize=8)
     backends = sorted({p["backend"] for p in points})
     callers = sorted({p["callers"] for p in points})
+    shapes = sorted({p["shape"] for p in points})
     fig.suptitle(title or f"pagedattn-loadgen sweep ({'/'.join(backends)} backend, "
-                          f"{'/'.join(map(str, callers))} caller(s))")
+                          f"{'/'.join(map(str, callers))} caller(s); {' | '.join(shapes)})")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 

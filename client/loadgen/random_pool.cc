@@ -17,9 +17,9 @@ uint64_t SplitMix64(uint64_t x) {
 
 }  // namespace
 
-RandomPool::RandomPool(int64_t bytes, uint64_t seed) : seed_(seed) {
+RandomPool::RandomPool(int64_t bytes, uint64_t seed, std::string_view dtype) : seed_(seed) {
   std::mt19937_64 rng(seed);
-  data_ = client::RandomNormalBf16(std::max<int64_t>(bytes, 2) / 2, rng);
+  data_ = client::RandomNormal(dtype, std::max<int64_t>(bytes, 2) / 2, rng);
 }
 
 std::string RandomPool::Slice(int64_t bytes) const {

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "pagedattn/kernels/shape.h"
 
 namespace pagedattn::loadgen {
 namespace {
@@ -20,8 +21,27 @@ constexpr const char* kStages[] = {"to_work", "receive", "prepare", "launch", "l
                                    "callbacks", "release"};
 
 
-// K and V of one token at one layer: 4 heads x 128 x 2 bytes, twice.
-constexpr int64_t kKvBytesPerToken = 2 * kKvRowBytes;
+// The served shape, so that results of different shapes are not confused.
+Json ShapeToJson(const kernels::Shape& s, const KvScales& scales) {
+  Json j = Json::Object();
+  j.Set("description", kernels::DescribeShape(s));
+  j.Set("num_qo_heads", s.num_qo_heads);
+  j.Set("num_kv_heads", s.num_kv_heads);
+  j.Set("head_dim", s.head_dim);
+  j.Set("page_size", s.page_size);
+  j.Set("dtype", kernels::DTypeName(s.dtype));
+  j.Set("kv_cache_dtype", kernels::DTypeName(s.kv_dtype));
+  // K and V of one token at one layer as the pages hold them: what a decode reads per token.
+  j.Set("kv_bytes_per_token", 2 * s.kv_token_bytes());
+  if (!scales.k_scales.empty()) {
+    Json k = Json::Array(), v = Json::Array();
+    for (const float x : scales.k_scales) k.Push(static_cast<double>(x));
+    for (const float x : scales.v_scales) v.Push(static_cast<double>(x));
+    j.Set("k_scales", std::move(k));
+    j.Set("v_scales", std::move(v));
+  }
+  return j;
+}
 
 Json StatsToJson(const v1::GetStatsResponse& s) {
   Json j = Json::Object();
@@ -98,6 +118,7 @@ Json BuildResult(const RunFacts& f, RunState& state) {
 
   Json result = Json::Object();
   result.Set("schema", "pagedattn-loadgen/1");
+  result.Set("shape", kernels::DescribeShape(state.shape));
   Json cfg = Json::Object();
   cfg.Set("mode", o.mode);
   cfg.Set("api", o.api);
@@ -146,6 +167,7 @@ Json BuildResult(const RunFacts& f, RunState& state) {
   server_cfg.Set("num_pages", config->num_pages());
   server_cfg.Set("max_batch_size", config->max_batch_size());
   server_cfg.Set("max_message_bytes", config->max_message_bytes());
+  server_cfg.Set("shape", ShapeToJson(state.shape, f.kv_scales));
   cfg.Set("server", std::move(server_cfg));
   result.Set("config", std::move(cfg));
 
@@ -167,7 +189,7 @@ Json BuildResult(const RunFacts& f, RunState& state) {
   const int64_t seq_decodes = state.sequence_decodes.load();
   const int64_t steps = state.steps_done.load();
   const int64_t attended = state.attended_tokens.load();
-  const double kv_bytes = static_cast<double>(attended) * kKvBytesPerToken;
+  const double kv_bytes = static_cast<double>(attended) * static_cast<double>(2 * state.shape.kv_token_bytes());
   Json run = Json::Object();
   run.Set("elapsed_s", elapsed);
   run.Set("steps", steps);
@@ -268,7 +290,11 @@ std::string FormatSummary(const Json& r) {
   const Json* cfg = r.Find("config");
   const std::string api = cfg != nullptr && cfg->Find("api") != nullptr ? cfg->Find("api")->string() : "unary";
   const char* rpc = api == "stream" ? "DecodeStream" : "Decode";
-  std::string out = absl::StrFormat(
+  const Json* shape = r.Find("shape");
+  std::string out = shape != nullptr && shape->type() == Json::Type::kString
+                        ? absl::StrCat("shape ", shape->string(), "\n")
+                        : std::string();
+  out += absl::StrFormat(
       "batch %.0f x %.0f callers, context %.0f tokens (mean during decode), %.0f layer(s): %.0f steps in %.2f s\n"
       "  throughput: %.1f sequence-decodes/s, %.1f tokens/s, %.2f GB/s of KV read\n"
       "  %s latency: p50 %.1f us, p90 %.1f us, p99 %.1f us; step p50 %.1f us\n",

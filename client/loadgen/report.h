@@ -10,6 +10,7 @@
 #include "client/loadgen/reference_check.h"
 #include "client/loadgen/run_state.h"
 #include "client/loadgen/server_metrics.h"
+#include "client/loadgen/server_shape.h"
 
 namespace pagedattn::loadgen {
 
@@ -17,6 +18,7 @@ namespace pagedattn::loadgen {
 struct RunFacts {
   const LoadGenOptions* options = nullptr;
   v1::GetModelConfigResponse config;
+  KvScales kv_scales;                      // fp8 pages, when the check read them
   int64_t num_sequences = 0;
   int64_t prefill_tokens = 0, prefill_min = 0, prefill_max = 0;
   int32_t prefill_chunk_tokens = 0;

@@ -23,6 +23,7 @@ v1::DecodeRequest MakeDecodeRequest(RunState& state, int32_t batch, int32_t laye
                                     std::vector<int64_t>* tickets, int32_t slot) {
   const std::vector<int32_t>& members = state.batches[static_cast<size_t>(batch)];
   const int64_t b = static_cast<int64_t>(members.size());
+  const int64_t q_bytes = state.shape.query_bytes(), row_bytes = state.shape.token_bytes();
   v1::DecodeRequest request;
   request.set_request_id(request_id);
   request.set_layer(layer);
@@ -32,10 +33,10 @@ v1::DecodeRequest MakeDecodeRequest(RunState& state, int32_t batch, int32_t laye
   if (by_ref) {
     state.slots->Refer(slot, b, state.options.decode_kv, &request);
   } else {
-    request.set_q(state.pool->Slice(b * kQueryBytes));
+    request.set_q(state.pool->Slice(b * q_bytes));
     if (state.options.decode_kv) {
-      request.set_k(state.pool->Slice(b * kKvRowBytes));
-      request.set_v(state.pool->Slice(b * kKvRowBytes));
+      request.set_k(state.pool->Slice(b * row_bytes));
+      request.set_v(state.pool->Slice(b * row_bytes));
     }
   }
   const absl::string_view all_q = by_ref ? state.slots->Q(slot, b) : absl::string_view(request.q());
@@ -46,11 +47,11 @@ v1::DecodeRequest MakeDecodeRequest(RunState& state, int32_t batch, int32_t laye
     for (int64_t i = 0; i < b; ++i) {
       const uint64_t id = state.sequences[static_cast<size_t>(members[static_cast<size_t>(i)])].id;
       if (!state.check->IsSampled(id)) continue;
-      const absl::string_view q = all_q.substr(i * kQueryBytes, kQueryBytes);
+      const absl::string_view q = all_q.substr(i * q_bytes, q_bytes);
       absl::string_view k, v;
       if (state.options.decode_kv) {
-        k = all_k.substr(i * kKvRowBytes, kKvRowBytes);
-        v = all_v.substr(i * kKvRowBytes, kKvRowBytes);
+        k = all_k.substr(i * row_bytes, row_bytes);
+        v = all_v.substr(i * row_bytes, row_bytes);
       }
       (*tickets)[static_cast<size_t>(i)] = state.check->OnDecodeSent(id, layer, q, k, v);
     }
@@ -63,9 +64,10 @@ absl::Status TakeDecodeResponse(RunState& state, int32_t batch, int32_t layer,
                                 int32_t slot) {
   const std::vector<int32_t>& members = state.batches[static_cast<size_t>(batch)];
   const int64_t b = static_cast<int64_t>(members.size());
+  const int64_t out_bytes = state.shape.query_bytes(), lse_bytes = state.shape.lse_bytes();
   // By reference the results are in the slot and the response carries none.
-  const int64_t want_output = state.slots != nullptr ? 0 : b * kQueryBytes;
-  const int64_t want_lse = state.slots != nullptr ? 0 : b * kLseBytes;
+  const int64_t want_output = state.slots != nullptr ? 0 : b * out_bytes;
+  const int64_t want_lse = state.slots != nullptr ? 0 : b * lse_bytes;
   if (static_cast<int64_t>(response.output().size()) != want_output ||
       static_cast<int64_t>(response.lse().size()) != want_lse) {
     return absl::InternalError(absl::StrCat("Decode response of ", response.output().size(), " output and ",
@@ -83,8 +85,8 @@ absl::Status TakeDecodeResponse(RunState& state, int32_t batch, int32_t layer,
     for (int64_t i = 0; i < b; ++i) {
       const int64_t ticket = tickets[static_cast<size_t>(i)];
       if (ticket < 0) continue;
-      state.check->OnDecodeDone(ticket, output.substr(i * kQueryBytes, kQueryBytes),
-                                lse.substr(i * kLseBytes, kLseBytes));
+      state.check->OnDecodeDone(ticket, output.substr(i * out_bytes, out_bytes),
+                                lse.substr(i * lse_bytes, lse_bytes));
     }
   }
   const int64_t extra = state.options.decode_kv ? 1 : 0;

@@ -17,7 +17,6 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "pagedattn/kernels/decode.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "client/client.h"
@@ -26,6 +25,7 @@
 #include "client/loadgen/random_pool.h"
 #include "client/loadgen/reference_check.h"
 #include "client/loadgen/tensor_slots.h"
+#include "pagedattn/kernels/shape.h"
 
 namespace pagedattn::loadgen {
 
@@ -33,10 +33,6 @@ using SteadyClock = std::chrono::steady_clock;
 inline double SecondsBetween(SteadyClock::time_point a, SteadyClock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
-
-using kernels::kLseBytes;    // one sequence's lse
-using kernels::kQueryBytes;  // one sequence's q (and output)
-inline constexpr int64_t kKvRowBytes = kernels::kTokenBytes;  // one token's K (or V)
 
 struct Sequence {
   uint64_t id = 0;
@@ -54,6 +50,10 @@ struct RunState {
   std::vector<client::Client*> callers;
   client::Client* CallerClient(size_t c) const { return callers.empty() ? client : callers[c % callers.size()]; }
   int32_t num_layers = 1;
+  // The server's shape (GetModelConfig): every tensor is sized from it. Per sequence, q and the
+  // output are shape.query_bytes(), a new K (or V) row shape.token_bytes(), the lse
+  // shape.lse_bytes().
+  kernels::Shape shape;
   std::vector<Sequence> sequences;
   std::vector<std::vector<int32_t>> batches;  // indices into sequences
   std::unique_ptr<RandomPool> pool;

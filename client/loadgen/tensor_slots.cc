@@ -7,7 +7,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "client/loadgen/run_state.h"
 #include "client/shm_region.h"
 #if PAGEDATTN_LOADGEN_CUDA
 #include "client/cuda_region.h"
@@ -58,16 +57,20 @@ class CudaMemory final : public TensorSlots::Memory {
 
 absl::StatusOr<std::unique_ptr<TensorSlots>> TensorSlots::Create(absl::string_view kind,
                                                                  client::Client* client,
+                                                                 const kernels::Shape& shape,
                                                                  int32_t slots, int64_t max_batch,
                                                                  int32_t cuda_device,
                                                                  const RandomPool& pool) {
   if (slots < 1 || max_batch < 1) return absl::InvalidArgumentError("TensorSlots: empty");
   Layout l;
-  l.k = Up(max_batch * kQueryBytes);
-  l.v = l.k + Up(max_batch * kKvRowBytes);
-  l.output = l.v + Up(max_batch * kKvRowBytes);
-  l.lse = l.output + Up(max_batch * kQueryBytes);
-  l.bytes = l.lse + Up(max_batch * kLseBytes);
+  l.q_row = shape.query_bytes();
+  l.kv_row = shape.token_bytes();
+  l.lse_row = shape.lse_bytes();
+  l.k = Up(max_batch * l.q_row);
+  l.v = l.k + Up(max_batch * l.kv_row);
+  l.output = l.v + Up(max_batch * l.kv_row);
+  l.lse = l.output + Up(max_batch * l.q_row);
+  l.bytes = l.lse + Up(max_batch * l.lse_row);
   const int64_t total = l.bytes * slots;
   static std::atomic<int> counter{0};
   std::string name = absl::StrCat("loadgen-", kind, "-", getpid(), "-", counter++);
@@ -122,34 +125,34 @@ TensorSlots::~TensorSlots() { (void)client_->UnregisterMemory(name_); }
 
 void TensorSlots::Refer(int32_t slot, int64_t b, bool kv, v1::DecodeRequest* request) const {
   const uint64_t base = static_cast<uint64_t>(slot * layout_.bytes);
-  *request->mutable_q_ref() = client::MakeTensorRef(name_, base + layout_.q, b * kQueryBytes);
+  const Layout& l = layout_;
+  *request->mutable_q_ref() = client::MakeTensorRef(name_, base + l.q, b * l.q_row);
   if (kv) {
-    *request->mutable_k_ref() = client::MakeTensorRef(name_, base + layout_.k, b * kKvRowBytes);
-    *request->mutable_v_ref() = client::MakeTensorRef(name_, base + layout_.v, b * kKvRowBytes);
+    *request->mutable_k_ref() = client::MakeTensorRef(name_, base + l.k, b * l.kv_row);
+    *request->mutable_v_ref() = client::MakeTensorRef(name_, base + l.v, b * l.kv_row);
   }
-  *request->mutable_output_ref() = client::MakeTensorRef(name_, base + layout_.output, b * kQueryBytes);
-  *request->mutable_lse_ref() = client::MakeTensorRef(name_, base + layout_.lse, b * kLseBytes);
+  *request->mutable_output_ref() = client::MakeTensorRef(name_, base + l.output, b * l.q_row);
+  *request->mutable_lse_ref() = client::MakeTensorRef(name_, base + l.lse, b * l.lse_row);
 }
 
 absl::string_view TensorSlots::Q(int32_t slot, int64_t b) const {
-  return absl::string_view(inputs_).substr(slot * layout_.bytes + layout_.q, b * kQueryBytes);
+  return absl::string_view(inputs_).substr(slot * layout_.bytes + layout_.q, b * layout_.q_row);
 }
 absl::string_view TensorSlots::K(int32_t slot, int64_t b) const {
-  return absl::string_view(inputs_).substr(slot * layout_.bytes + layout_.k, b * kKvRowBytes);
+  return absl::string_view(inputs_).substr(slot * layout_.bytes + layout_.k, b * layout_.kv_row);
 }
 absl::string_view TensorSlots::V(int32_t slot, int64_t b) const {
-  return absl::string_view(inputs_).substr(slot * layout_.bytes + layout_.v, b * kKvRowBytes);
+  return absl::string_view(inputs_).substr(slot * layout_.bytes + layout_.v, b * layout_.kv_row);
 }
 
 absl::Status TensorSlots::ReadOutputs(int32_t slot, int64_t b, std::string* output,
                                       std::string* lse) const {
-  output->resize(static_cast<size_t>(b * kQueryBytes));
-  lse->resize(static_cast<size_t>(b * kLseBytes));
+  const int64_t out_bytes = b * layout_.q_row, lse_bytes = b * layout_.lse_row;
+  output->resize(static_cast<size_t>(out_bytes));
+  lse->resize(static_cast<size_t>(lse_bytes));
   const int64_t base = slot * layout_.bytes;
-  if (absl::Status s = memory_->Read(base + layout_.output, output->data(), b * kQueryBytes); !s.ok()) {
-    return s;
-  }
-  return memory_->Read(base + layout_.lse, lse->data(), b * kLseBytes);
+  if (absl::Status s = memory_->Read(base + layout_.output, output->data(), out_bytes); !s.ok()) return s;
+  return memory_->Read(base + layout_.lse, lse->data(), lse_bytes);
 }
 
 }  // namespace pagedattn::loadgen

@@ -1,7 +1,8 @@
 // TensorSlots: where the load generator's requests keep their tensors when they pass them by
 // reference (--tensors=system|cuda). One memory region, registered with the server, holds
-// `slots` request areas, each with room for a batch of up to max_batch sequences: q, k, v
-// (filled once with random bf16 values), output and lse (written by the server). A request in
+// `slots` request areas, each with room for a batch of up to max_batch sequences of the server's
+// shape: q, k, v (filled once with random values of its dtype), output and lse (written by the
+// server). A request in
 // flight owns one area; the callers assign them so that no two requests in flight share one.
 //
 // system: a POSIX shared-memory object (client/shm_region.h); cuda: device memory exported by
@@ -18,6 +19,7 @@
 #include "absl/strings/string_view.h"
 #include "client/client.h"
 #include "client/loadgen/random_pool.h"
+#include "pagedattn/kernels/shape.h"
 #include "pagedattn/v1/pagedattn.pb.h"
 
 namespace pagedattn::loadgen {
@@ -25,9 +27,11 @@ namespace pagedattn::loadgen {
 class TensorSlots {
  public:
   // kind: "system" or "cuda" (INVALID_ARGUMENT otherwise, FAILED_PRECONDITION for cuda in a
-  // build without CUDA); cuda_device: the CUDA device of a cuda region.
+  // build without CUDA); cuda_device: the CUDA device of a cuda region. shape: the server's
+  // (sizes each sequence's rows); pool: values of its dtype.
   static absl::StatusOr<std::unique_ptr<TensorSlots>> Create(absl::string_view kind,
-                                                             client::Client* client, int32_t slots,
+                                                             client::Client* client,
+                                                             const kernels::Shape& shape, int32_t slots,
                                                              int64_t max_batch, int32_t cuda_device,
                                                              const RandomPool& pool);
   ~TensorSlots();
@@ -54,6 +58,9 @@ class TensorSlots {
 
  private:
   struct Layout {
+    // Bytes of one sequence's q (and output), new K (or V) row, and lse.
+    int64_t q_row = 0, kv_row = 0, lse_row = 0;
+    // Offsets in an area, and the area's size.
     int64_t q = 0, k = 0, v = 0, output = 0, lse = 0, bytes = 0;
   };
   TensorSlots(client::Client* client, int32_t slots, const Layout& layout, std::string name,

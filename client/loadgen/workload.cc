@@ -151,6 +151,18 @@ std::string DefaultWorkloadFile() {
   return FileExists(path) ? path : "";
 }
 
+int32_t WorkloadPageSizeFromName(const std::string& path, int32_t fallback) {
+  const size_t slash = path.find_last_of('/');
+  const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
+  for (size_t at = name.find("_ps"); at != std::string::npos; at = name.find("_ps", at + 1)) {
+    size_t end = at + 3;
+    while (end < name.size() && name[end] >= '0' && name[end] <= '9') ++end;
+    if (end == at + 3 || end - at - 3 > 4 || (end < name.size() && name[end] != '.' && name[end] != '_')) continue;
+    return static_cast<int32_t>(std::stoi(name.substr(at + 3, end - at - 3)));
+  }
+  return fallback;
+}
+
 absl::StatusOr<std::vector<int64_t>> DrawLengths(const LengthOptions& options, int64_t n,
                                                  int32_t page_size) {
   if (n < 1) return absl::InvalidArgumentError("need at least one sequence");
@@ -184,7 +196,10 @@ absl::StatusOr<std::vector<int64_t>> DrawLengths(const LengthOptions& options, i
                                             " not found under ", kDefaultWorkloadDir,
                                             " (run from the repository root or give --workload_file)"));
   }
-  absl::StatusOr<std::vector<WorkloadShape>> shapes = LoadWorkloadFile(path, page_size);
+  const int32_t file_page_size = options.workload_page_size > 0
+                                     ? options.workload_page_size
+                                     : WorkloadPageSizeFromName(path, page_size);
+  absl::StatusOr<std::vector<WorkloadShape>> shapes = LoadWorkloadFile(path, file_page_size);
   if (!shapes.ok()) return shapes.status();
   std::vector<int64_t> pool;
   if (options.shape_names.empty()) {

@@ -38,8 +38,9 @@ namespace pagedattn {
 
 // K and V rows of a run of tokens, written into consecutive entries of BackendBatch::write_slots.
 struct TokenWrite {
-  const uint16_t* k = nullptr;  // [num_tokens, 4, 128] bf16, host memory
-  const uint16_t* v = nullptr;  // [num_tokens, 4, 128] bf16, host memory
+  // [num_tokens, num_kv_heads, head_dim] in the model's dtype (16-bit), host memory.
+  const uint16_t* k = nullptr;
+  const uint16_t* v = nullptr;
   int32_t num_tokens = 0;
   int64_t slot_begin = 0;       // index of the first token's slot in write_slots
 };
@@ -48,15 +49,18 @@ struct TokenWrite {
 struct BackendBatch {
   // Phase 1.
   std::vector<PageCopy> page_copies;
-  // Phase 2. A slot is pool page * 64 + offset in the page: (layer * num_pages + page) * 64 + t.
+  // Phase 2. A slot is pool page * page_size + offset in the page:
+  // (layer * num_pages + page) * page_size + t.
   std::vector<TokenWrite> writes;
   std::vector<int64_t> write_slots;  // one per written token
   // Phase 3: sequence b of the plan reads q[b] and writes output[b] and lse[b].
   kernels::Plan plan;
-  std::vector<const uint16_t*> q;  // [batch_size] -> [24, 128] bf16, host memory
+  // q and output: [num_qo_heads, head_dim] each in the model's dtype (16-bit); lse:
+  // [num_qo_heads] fp32 base 2. Host memory; output and lse filled by Wait.
+  std::vector<const uint16_t*> q;  // [batch_size]
   float sm_scale = 0.0f;           // the scale itself, never 0 when batch_size > 0
-  std::vector<uint16_t*> output;   // [batch_size] -> [24, 128] bf16, host memory, filled by Wait
-  std::vector<float*> lse;         // [batch_size] -> [24] fp32 base 2, host memory, filled by Wait
+  std::vector<uint16_t*> output;   // [batch_size]
+  std::vector<float*> lse;         // [batch_size]
   // Set by the engine: no (sequence, layer) has two items (decodes or appends) in this batch.
   // Then no item reads a page that another item of the batch writes (a written page belongs to
   // one sequence alone: shared pages are copied on write), so a backend may write a decode
@@ -103,8 +107,9 @@ struct BackendBatch {
 // the CUDA backend's staging arena and output buffer (cuda_staging.h), so each direction moves
 // in one copy.
 // A run of `count` consecutive pages (ids page .. page+count-1) of one layer of the pool, and
-// host memory holding them in the same order: count * 64 KiB of K at `k` and of V at `v`
-// (each page [64, 4, 128] bf16, as in the pool). See Backend::ReadPages / WritePages.
+// host memory holding them in the same order: count * page_bytes of K at `k` and of V at `v`
+// (each page [page_size, num_kv_heads, head_dim] in the pages' type, as in the pool; 64 KiB
+// for the default shape). See Backend::ReadPages / WritePages.
 struct PageRun {
   int32_t layer = 0;
   int32_t page = 0;

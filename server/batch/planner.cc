@@ -23,7 +23,7 @@ absl::Status Planner::AddSequence(int32_t layer, absl::Span<const int32_t> pages
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
   }
   if (tokens < 0) return absl::InvalidArgumentError("negative token count");
-  const int64_t used = (tokens + page_size - 1) / page_size;
+  const int64_t used = kernels::PagesFor(tokens, page_size);
   if (used > static_cast<int64_t>(pages.size())) {
     return absl::InvalidArgumentError(
         absl::StrCat(tokens, " tokens need ", used, " pages, the sequence has ", pages.size()));

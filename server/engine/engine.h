@@ -126,12 +126,14 @@ struct DecodeWork {
   uint64_t request_id = 0;
   int32_t layer = 0;
   std::vector<uint64_t> sequence_ids;  // B distinct ids
-  Tensor q;                            // bf16 [B, 24, 128]
-  Tensor k, v;                         // bf16 [B, 4, 128] each, or both empty (attend only)
+  // Element types and sizes follow the model (Options::model): dtype, [B, num_qo_heads, head_dim]
+  // for q and the output, [B, num_kv_heads, head_dim] for k and v, fp32 [B, num_qo_heads] lse.
+  Tensor q;                            // [B, num_qo_heads, head_dim]
+  Tensor k, v;                         // [B, num_kv_heads, head_dim] each, or both empty (attend only)
   // Where the results go when the caller registered memory for them (views); empty: returned
   // in DecodeOutput.
-  Tensor output;                       // bf16 [B, 24, 128]
-  Tensor lse;                          // fp32 [B, 24]
+  Tensor output;                       // [B, num_qo_heads, head_dim]
+  Tensor lse;                          // fp32 [B, num_qo_heads]
   float sm_scale = 0.0f;               // resolved by the service: never 0
   absl::Time deadline = absl::InfiniteFuture();
   CancelFlag cancelled;                // may be null
@@ -139,8 +141,8 @@ struct DecodeWork {
 
 struct DecodeOutput {
   uint64_t request_id = 0;
-  std::string output;  // bf16 [B, 24, 128]; empty when written into DecodeWork::output
-  std::string lse;     // fp32 [B, 24], base 2; empty when written into DecodeWork::lse
+  std::string output;  // [B, num_qo_heads, head_dim]; empty when written into DecodeWork::output
+  std::string lse;     // fp32 [B, num_qo_heads], base 2; empty when written into DecodeWork::lse
 };
 
 // One AppendKV RPC: a step of num_tokens tokens at one layer.
@@ -148,7 +150,7 @@ struct AppendWork {
   uint64_t sequence_id = 0;
   int32_t layer = 0;
   int32_t num_tokens = 0;
-  Tensor k, v;  // bf16 [num_tokens, 4, 128] each
+  Tensor k, v;  // [num_tokens, num_kv_heads, head_dim] each, in the model's dtype
   absl::Time deadline = absl::InfiniteFuture();
   CancelFlag cancelled;
 };

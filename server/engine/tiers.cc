@@ -37,7 +37,7 @@ absl::Status SequenceData::Allocate(int32_t layers, int64_t tokens, const k::Sha
   num_layers = layers;
   page_size = model.page_size;
   page_bytes = model.page_bytes();
-  num_pages = (tokens + page_size - 1) / page_size;
+  num_pages = model.pages_for(tokens);
   const int64_t total = 2 * int64_t{layers} * layer_bytes();
   bytes.reset(total > 0 ? new (std::nothrow) char[total] : nullptr);
   if (total > 0 && bytes == nullptr) {
@@ -178,7 +178,7 @@ absl::Status Tiers::PrepareItem(SequenceTable& table, BlockAllocator& allocator,
         // The step's own pages after the restore, and a copy on write of a partial last page
         // that the restore may share (counted always: conservative).
         const int64_t page_size = options_.model.page_size;
-        needed += (view->length + num_tokens + page_size - 1) / page_size -
+        needed += options_.model.pages_for(view->length + num_tokens) -
                   static_cast<int64_t>(view->pages.size()) + (view->length % page_size != 0 ? 1 : 0);
       }
     } else if (step) {

@@ -148,7 +148,7 @@ class SequenceTable {
         page_size_(options.page_size),
         allocator_(allocator),
         host_allocator_(host_allocator) {}
-  int64_t PagesFor(int64_t tokens) const { return (tokens + page_size_ - 1) / page_size_; }
+  int64_t PagesFor(int64_t tokens) const { return kernels::PagesFor(tokens, page_size_); }
   BlockAllocator* TierOf(const Sequence& seq) const {
     return seq.offloaded ? host_allocator_ : allocator_;
   }

@@ -42,9 +42,12 @@ def main():
         _, err = run(["create", "5"], code=1)
         assert "ALREADY_EXISTS" in err, err
 
+        # Sizes from the server's shape (its defaults here): a token's K row, a sequence's q.
+        row_elems = config["num_kv_heads"] * config["head_dim"]
+        q_elems = config["num_qo_heads"] * config["head_dim"]
         rng = t.new_rng(3)
-        kb, _ = t.random_bf16(10 * 512, rng)
-        vb, _ = t.random_bf16(10 * 512, rng)
+        kb, _ = t.random_bf16(10 * row_elems, rng)
+        vb, _ = t.random_bf16(10 * row_elems, rng)
         kfile, vfile = os.path.join(work, "k.bin"), os.path.join(work, "v.bin")
         with open(kfile, "wb") as f:
             f.write(kb)
@@ -60,7 +63,7 @@ def main():
         out, _ = run(["decode", "5", "--with_kv", f"--output_file={outfile}"])
         assert out.count("sequence 5") == 2, out  # one line per layer
         data = open(outfile, "rb").read()
-        assert len(data) == 24 * 128 * 2, len(data)
+        assert len(data) == q_elems * 2, len(data)
         assert any(v != 0.0 for v in t.decode_bf16(data)), "all-zero output"
 
         # Export to a file, import as another sequence: the same decode, bit for bit.
@@ -71,7 +74,7 @@ def main():
         assert "71 tokens imported" in out, out
         _, err = run(["import", "7", exported], code=1)
         assert "ALREADY_EXISTS" in err, err
-        qb, _ = t.random_bf16(24 * 128, rng)
+        qb, _ = t.random_bf16(q_elems, rng)
         qfile = os.path.join(work, "q.bin")
         with open(qfile, "wb") as f:
             f.write(qb)
@@ -80,7 +83,7 @@ def main():
             path = os.path.join(work, f"out{sid}.bin")
             run(["decode", sid, "--layer=1", f"--q_file={qfile}", f"--output_file={path}"])
             outs.append(open(path, "rb").read())
-        assert outs[0] == outs[1] and len(outs[0]) == 24 * 128 * 2, "import decodes differently"
+        assert outs[0] == outs[1] and len(outs[0]) == q_elems * 2, "import decodes differently"
         _, err = run(["offload", "7"], code=1)
         assert "FAILED_PRECONDITION" in err, err  # no host tier on this server
         with open(os.path.join(work, "junk.kv"), "wb") as f:

@@ -5,7 +5,6 @@
 //
 // The killed caller is this binary re-executed with --local_child (see main).
 #include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -20,6 +19,7 @@
 #include "client/local_channel.h"
 #include "client/loadgen/server_metrics.h"
 #include "server/local/ring_layout.h"
+#include "tests/integration/child_process.h"
 #include "tests/integration/memory_fixture.h"
 
 namespace pagedattn::testing {
@@ -324,41 +324,20 @@ TEST_P(LocalChannelKillTest, ACallerKilledMidStepLeavesNothingBehind) {
   auto start = client_->GetStats();
   ASSERT_TRUE(start.ok());
 
-  int out[2];
-  ASSERT_EQ(pipe(out), 0);
-  const std::string target = server_->grpc_target();
-  const std::string first = absl::StrCat(kChildIds);
-  const pid_t child = fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    dup2(out[1], STDOUT_FILENO);
-    close(out[0]);
-    close(out[1]);
-    const char* argv[] = {"/proc/self/exe", kChildFlag, target.c_str(), "doomed", first.c_str(), nullptr};
-    execv(argv[0], const_cast<char* const*>(argv));
-    _exit(127);
-  }
-  close(out[1]);
-  std::string said;
-  char buffer[256];
-  while (said.find('\n') == std::string::npos) {
-    const ssize_t n = read(out[0], buffer, sizeof(buffer));
-    if (n <= 0) break;
-    said.append(buffer, static_cast<size_t>(n));
-  }
-  close(out[0]);
+  absl::StatusOr<std::unique_ptr<ChildProcess>> child =
+      ChildProcess::Start({kChildFlag, server_->grpc_target(), "doomed", absl::StrCat(kChildIds)});
+  ASSERT_TRUE(child.ok()) << child.status();
+  const std::string& line = (*child)->first_line();
   std::string shm_name;
-  if (said.rfind("ready ", 0) == 0) shm_name = said.substr(7, said.find('\n') - 7);  // no "/"
+  if (line.rfind("ready /", 0) == 0) shm_name = line.substr(7);  // no "/"
   // Its steps are queued in the 1 s batch window when it dies.
   const bool queued = Eventually([&] {
     auto stats = client_->GetStats();
     return stats.ok() && stats->queue_depth() >= 2;
   });
   EXPECT_EQ(Counter("pagedattn_local_channels"), 1);
-  kill(child, SIGKILL);
-  int status = 0;
-  waitpid(child, &status, 0);
-  ASSERT_FALSE(shm_name.empty()) << "child said: " << said;
+  (*child)->Kill();
+  ASSERT_FALSE(shm_name.empty()) << "child said: " << (*child)->said();
   EXPECT_TRUE(queued);
 
   // The channel goes: closed, its owned region unregistered, its work dropped.

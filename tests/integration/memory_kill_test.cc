@@ -8,7 +8,6 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -17,6 +16,7 @@
 #include <thread>
 
 #include "client/health/health_probe.h"
+#include "tests/integration/child_process.h"
 #include "tests/integration/memory_fixture.h"
 
 namespace pagedattn::testing {
@@ -92,41 +92,19 @@ TEST_P(MemoryKillTest, ClientKilledWithQueuedReferencedWorkLeavesAServerThatWork
   ASSERT_TRUE(start.ok());
   constexpr uint64_t kFirstChildId = 1000;
 
-  int out[2];
-  ASSERT_EQ(pipe(out), 0);
-  const std::string target = server_->grpc_target();
-  const std::string first = absl::StrCat(kFirstChildId);
-  const pid_t child = fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    dup2(out[1], STDOUT_FILENO);
-    close(out[0]);
-    close(out[1]);
-    const char* argv[] = {"/proc/self/exe", kChildFlag, target.c_str(), "dead-client", first.c_str(),
-                          nullptr};
-    execv(argv[0], const_cast<char* const*>(argv));
-    _exit(127);
-  }
-  close(out[1]);
-  std::string said;
-  char buffer[256];
-  while (said.find('\n') == std::string::npos) {
-    const ssize_t n = read(out[0], buffer, sizeof(buffer));
-    if (n <= 0) break;
-    said.append(buffer, static_cast<size_t>(n));
-  }
-  close(out[0]);
+  absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Start(
+      {kChildFlag, server_->grpc_target(), "dead-client", absl::StrCat(kFirstChildId)});
+  ASSERT_TRUE(child.ok()) << child.status();
+  const std::string& line = (*child)->first_line();
   std::string key;
-  if (said.rfind("queued ", 0) == 0) key = said.substr(7, said.find('\n') - 7);
+  if (line.rfind("queued ", 0) == 0) key = line.substr(7);
   auto cleanup = [&] {
-    kill(child, SIGKILL);
-    int status = 0;
-    waitpid(child, &status, 0);
+    (*child)->Kill();
     if (!key.empty()) shm_unlink(key.c_str());  // what the dead client would have done
   };
   if (key.empty()) {
     cleanup();
-    FAIL() << "child said: " << said;
+    FAIL() << "child said: " << (*child)->said();
   }
   // Kill it while its work is queued (the batch window is 1 s).
   bool queued = false;

@@ -102,6 +102,20 @@ TEST(Fp8E4m3, StoringKvValuesDividesByTheScaleAndRounds) {
   }
 }
 
+TEST(Shape, PagesForRoundsTokensUpToWholePages) {
+  for (const int page : {16, 32, 64}) {
+    Shape s;
+    s.page_size = page;
+    EXPECT_EQ(s.pages_for(0), 0);
+    EXPECT_EQ(s.pages_for(1), 1);
+    EXPECT_EQ(s.pages_for(page - 1), 1);
+    EXPECT_EQ(s.pages_for(page), 1);
+    EXPECT_EQ(s.pages_for(page + 1), 2);
+    EXPECT_EQ(s.pages_for(int64_t{1} << 40), (int64_t{1} << 40) / page);
+    EXPECT_EQ(PagesFor(3 * page + 5, page), 4);
+  }
+}
+
 TEST(Shape, TheSupportedSetIsAcceptedAndEverythingElseRefusedWithTheSet) {
   for (const int hd : {64, 128, 256}) {
     for (const int kv : {1, 2, 4, 8}) {
@@ -145,7 +159,7 @@ class ShapeBatch {
     const int64_t p = shape.page_size;
     std::vector<int64_t> pages_of(lengths.size());
     int64_t total = 0;
-    for (size_t i = 0; i < lengths.size(); ++i) total += pages_of[i] = (lengths[i] + p - 1) / p;
+    for (size_t i = 0; i < lengths.size(); ++i) total += pages_of[i] = shape.pages_for(lengths[i]);
     num_pages_ = total + 3;
     std::vector<int32_t> order(num_pages_);
     std::iota(order.begin(), order.end(), 0);

@@ -18,6 +18,7 @@
 #include "client/loadgen/random_pool.h"
 #include "client/loadgen/reference_check.h"
 #include "client/loadgen/server_metrics.h"
+#include "client/loadgen/server_shape.h"
 #include "client/loadgen/workload.h"
 #include "gtest/gtest.h"
 #include "pagedattn/kernels/decode.h"
@@ -116,6 +117,25 @@ TEST(WorkloadTest, DrawsCycleThroughTheChosenShapes) {
   std::remove(path.c_str());
 }
 
+TEST(WorkloadTest, AFileIsReadInThePagesItsNameStatesWhateverTheServers) {
+  EXPECT_EQ(WorkloadPageSizeFromName("kernels/bench/workloads/gqa_h24_kv4_d128_ps64.jsonl", 16), 64);
+  EXPECT_EQ(WorkloadPageSizeFromName("a_ps32_b.jsonl", 16), 32);
+  EXPECT_EQ(WorkloadPageSizeFromName("dir_ps32/small.jsonl", 16), 16);  // the name only
+  EXPECT_EQ(WorkloadPageSizeFromName("steps_psx.jsonl", 16), 16);
+  // Lengths in pages of 64, drawn for a server with pages of 16: the same tokens.
+  const std::string dir = WriteTemp("");
+  std::remove(dir.c_str());
+  const std::string path = dir + "_ps64.jsonl";
+  std::ofstream(path) << "{\"name\":\"a\",\"batch_size\":1,\"kv_indptr\":[0,2],\"kv_last_page_len\":[40]}\n";
+  LengthOptions o;
+  o.distribution = "workload";
+  o.workload_file = path;
+  EXPECT_EQ(*DrawLengths(o, 1, 16), (std::vector<int64_t>{64 + 40}));
+  o.workload_page_size = 32;  // given: wins over the name (and 40 is outside 1..32)
+  EXPECT_TRUE(absl::IsInvalidArgument(DrawLengths(o, 1, 16).status()));
+  std::remove(path.c_str());
+}
+
 TEST(WorkloadTest, FixedAndUniformDraws) {
   LengthOptions o;
   o.fixed_len = 77;
@@ -206,58 +226,125 @@ TEST(RandomPoolTest, SlicesHaveTheAskedSizeAndVary) {
   EXPECT_NEAR(sum2 / v.size(), 1.0, 0.15);  // unit variance
 }
 
-// A decode computed by the CPU implementation over the same tokens passes; a perturbed one fails.
-TEST(ReferenceCheckTest, PassesTheCpuKernelAndCatchesAWrongOutput) {
-  namespace k = ::pagedattn::kernels;
-  std::mt19937_64 rng(3);
-  ReferenceCheck::Options options;
-  options.num_layers = 2;
-  ReferenceCheck check(options);
-  const uint64_t id = 42;
-  check.Sample(id);
-  EXPECT_TRUE(check.IsSampled(id));
-  EXPECT_FALSE(check.IsSampled(43));
-  const int tokens = 100;  // two pages, the last one partial
-  std::string k_bytes = client::RandomNormalBf16(tokens * k::kTokenElems, rng);
-  std::string v_bytes = client::RandomNormalBf16(tokens * k::kTokenElems, rng);
-  check.OnAppend(id, 1, k_bytes, v_bytes);
-  std::string new_k = client::RandomNormalBf16(k::kTokenElems, rng);
-  std::string new_v = client::RandomNormalBf16(k::kTokenElems, rng);
-  std::string q = client::RandomNormalBf16(k::kQueryElems, rng);
-  const int64_t ticket = check.OnDecodeSent(id, 1, q, new_k, new_v);
-  ASSERT_GE(ticket, 0);
+TEST(RandomPoolTest, DrawsInTheServersDtype) {
+  RandomPool pool(1 << 16, 7, "fp16");
+  const std::string bytes = pool.Slice(1 << 14);
+  double sum2 = 0;
+  const std::vector<float> v = client::DecodeValues("fp16", bytes);
+  for (const float x : v) sum2 += x * x;
+  EXPECT_NEAR(sum2 / v.size(), 1.0, 0.15);
+  // The same bits read as bf16 are not unit normal: the pool really holds fp16.
+  double bf16_sum2 = 0;
+  for (const float x : client::DecodeBf16(bytes)) bf16_sum2 += std::isfinite(x) ? x * x : 1e30;
+  EXPECT_GT(std::fabs(bf16_sum2 / v.size() - 1.0), 0.5);
+}
 
-  // The server's side: the same tokens in a paged cache, through DecodeCpuItems.
-  std::string all_k = k_bytes + new_k, all_v = v_bytes + new_v;
-  std::vector<uint16_t> kc(2 * k::kPageElems), vc(2 * k::kPageElems);
-  std::memcpy(kc.data(), all_k.data(), all_k.size());
-  std::memcpy(vc.data(), all_v.data(), all_v.size());
-  std::vector<uint16_t> qv(k::kQueryElems), out(k::kQueryElems);
-  std::memcpy(qv.data(), q.data(), q.size());
-  std::vector<float> lse(k::kNumQoHeads);
-  const int32_t indptr[2] = {0, 2}, indices[2] = {0, 1}, last = tokens + 1 - 64;
+namespace k = ::pagedattn::kernels;
+
+struct CheckCase {
+  std::string name;
+  k::Shape shape;
+  std::vector<float> k_scales, v_scales;  // fp8 pages: per layer
+};
+
+std::vector<CheckCase> CheckCases() {
+  return {
+      {"default", k::Shape{}, {}, {}},
+      {"llama_8b_fp8", k::Shape{32, 8, 128, 16, k::DType::kBf16, k::DType::kFp8E4m3}, {0.02f, 0.03f},
+       {0.04f, 0.05f}},
+      {"fp16_d256", k::Shape{16, 8, 256, 32, k::DType::kFp16, k::DType::kFp16}, {}, {}},
+  };
+}
+
+// The server's side of one decode of one sequence at `layer`: the rows it was sent (shape.dtype)
+// stored as its pages hold them, in pages 0, 1, ... of a cache, through DecodeCpuItems.
+void ServerDecode(const CheckCase& c, int32_t layer, const std::string& k_rows, const std::string& v_rows,
+                  const std::string& q, std::string* output, std::string* lse) {
+  const k::Shape& s = c.shape;
+  const int64_t tokens = static_cast<int64_t>(k_rows.size()) / s.token_bytes();
+  const int64_t pages = s.pages_for(tokens);
+  std::string kc(static_cast<size_t>(pages * s.page_bytes()), '\0'), vc(kc.size(), '\0');
+  const float ks = c.k_scales.empty() ? 1.0f : c.k_scales[layer];
+  const float vs = c.v_scales.empty() ? 1.0f : c.v_scales[layer];
+  k::StoreKvValues(s, k_rows.data(), kc.data(), tokens * s.token_elems(), ks);
+  k::StoreKvValues(s, v_rows.data(), vc.data(), tokens * s.token_elems(), vs);
+  std::vector<int32_t> indices(static_cast<size_t>(pages));
+  for (int64_t p = 0; p < pages; ++p) indices[static_cast<size_t>(p)] = static_cast<int32_t>(p);
+  const int32_t indptr[2] = {0, static_cast<int32_t>(pages)};
+  const int32_t last = static_cast<int32_t>(tokens - (pages - 1) * s.page_size);
+  output->assign(static_cast<size_t>(s.query_bytes()), '\0');
+  lse->assign(static_cast<size_t>(s.lse_bytes()), '\0');
   k::DecodeArgs args;
-  args.q = qv.data();
+  args.q = q.data();
   args.k_cache = kc.data();
   args.v_cache = vc.data();
   args.kv_indptr = indptr;
-  args.kv_indices = indices;
+  args.kv_indices = indices.data();
   args.kv_last_page_len = &last;
-  args.output = out.data();
-  args.lse = lse.data();
+  args.output = output->data();
+  args.lse = reinterpret_cast<float*>(lse->data());
   args.batch_size = 1;
-  args.num_pages = 2;
-  args.sm_scale = 1.0f / std::sqrt(128.0f);
+  args.num_pages = pages;
+  args.sm_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)));
+  args.shape = s;
+  args.k_scale = ks;
+  args.v_scale = vs;
   k::DecodeCpuItems(args, 0, k::DecodeCpuNumItems(args));
-  const std::string out_bytes(reinterpret_cast<const char*>(out.data()), out.size() * 2);
-  const std::string lse_bytes(reinterpret_cast<const char*>(lse.data()), lse.size() * 4);
-  check.OnDecodeDone(ticket, out_bytes, lse_bytes);
+}
+
+class ReferenceCheckShapes : public ::testing::TestWithParam<CheckCase> {};
+
+// A decode computed by the CPU implementation over the same tokens, in the server's shape and
+// page type, passes; a perturbed one fails; with fp8 pages, so does one checked with other scales.
+TEST_P(ReferenceCheckShapes, PassesTheCpuKernelAndCatchesAWrongOutput) {
+  const CheckCase& c = GetParam();
+  const k::Shape& s = c.shape;
+  const std::string dtype = k::DTypeName(s.dtype);
+  std::mt19937_64 rng(3);
+  ReferenceCheck::Options options;
+  options.shape = s;
+  options.k_scales = c.k_scales;
+  options.v_scales = c.v_scales;
+  options.num_layers = 2;
+  ReferenceCheck check(options);
+  // The same run seen by a check told other V scales (fp8 pages only): not a power of two, so
+  // the values round to other fp8 codes (about 0.036 relative L2 here, tolerance 0.01).
+  ReferenceCheck::Options wrong_options = options;
+  for (float& x : wrong_options.v_scales) x *= 1.5f;
+  ReferenceCheck wrong_scales(wrong_options);
+  const uint64_t id = 42;
+  for (ReferenceCheck* ch : {&check, &wrong_scales}) ch->Sample(id);
+  EXPECT_TRUE(check.IsSampled(id));
+  EXPECT_FALSE(check.IsSampled(43));
+  const int64_t tokens = s.page_size + s.page_size / 2 + 3;  // two pages, the last one partial
+  const std::string k_bytes = client::RandomNormal(dtype, tokens * s.token_elems(), rng);
+  const std::string v_bytes = client::RandomNormal(dtype, tokens * s.token_elems(), rng);
+  const std::string new_k = client::RandomNormal(dtype, s.token_elems(), rng);
+  const std::string new_v = client::RandomNormal(dtype, s.token_elems(), rng);
+  const std::string q = client::RandomNormal(dtype, s.query_elems(), rng);
+  std::string out_bytes, lse_bytes;
+  ServerDecode(c, 1, k_bytes + new_k, v_bytes + new_v, q, &out_bytes, &lse_bytes);
+  for (ReferenceCheck* ch : {&check, &wrong_scales}) {
+    ch->OnAppend(id, 1, k_bytes, v_bytes);
+    const int64_t ticket = ch->OnDecodeSent(id, 1, q, new_k, new_v);
+    ASSERT_GE(ticket, 0);
+    ch->OnDecodeDone(ticket, out_bytes, lse_bytes);
+  }
+  const ReferenceCheck::Result told_wrong = wrong_scales.Verify();
+  if (s.kv_dtype == k::DType::kFp8E4m3) {
+    EXPECT_EQ(told_wrong.failures, 1) << "the check must use the server's scales";
+  } else {
+    EXPECT_TRUE(told_wrong.passed);  // no scales to get wrong
+  }
 
   // A second decode (attend only) answered with a wrong lse.
   const int64_t bad = check.OnDecodeSent(id, 1, q, "", "");
-  std::vector<float> wrong = lse;
-  wrong[5] += 0.01f;
-  check.OnDecodeDone(bad, out_bytes, std::string(reinterpret_cast<const char*>(wrong.data()), wrong.size() * 4));
+  std::string wrong = lse_bytes;
+  float lse5;
+  std::memcpy(&lse5, wrong.data() + 5 * 4, 4);
+  lse5 += 0.01f;
+  std::memcpy(wrong.data() + 5 * 4, &lse5, 4);
+  check.OnDecodeDone(bad, out_bytes, wrong);
   // A third never answered.
   check.OnDecodeSent(id, 1, q, "", "");
 
@@ -269,13 +356,42 @@ TEST(ReferenceCheckTest, PassesTheCpuKernelAndCatchesAWrongOutput) {
   EXPECT_FALSE(r.passed);
   EXPECT_NEAR(r.max_lse_abs, 0.01, 1e-4);
   EXPECT_LT(r.max_rel_l2, 1e-2);
+  EXPECT_GT(r.max_rel_l2, 0);  // the output is rounded to the dtype: never exact
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, ReferenceCheckShapes, ::testing::ValuesIn(CheckCases()),
+                         [](const ::testing::TestParamInfo<CheckCase>& i) { return i.param.name; });
+
+TEST(ServerShapeTest, TheShapeComesFromGetModelConfig) {
+  v1::GetModelConfigResponse config;
+  config.set_num_qo_heads(32);
+  config.set_num_kv_heads(8);
+  config.set_head_dim(128);
+  config.set_page_size(16);
+  config.set_dtype("bf16");
+  config.set_kv_cache_dtype("fp8_e4m3");
+  absl::StatusOr<k::Shape> shape = ShapeFromConfig(config);
+  ASSERT_TRUE(shape.ok()) << shape.status();
+  EXPECT_EQ(*shape, (k::Shape{32, 8, 128, 16, k::DType::kBf16, k::DType::kFp8E4m3}));
+  // A server from before the type fields: bf16, pages of the same type.
+  config.set_dtype("");
+  config.set_kv_cache_dtype("");
+  EXPECT_EQ(*ShapeFromConfig(config), (k::Shape{32, 8, 128, 16, k::DType::kBf16, k::DType::kBf16}));
+  config.set_dtype("fp16");
+  EXPECT_EQ(ShapeFromConfig(config)->kv_dtype, k::DType::kFp16);
+  // What this client cannot drive.
+  config.set_dtype("fp32");
+  EXPECT_TRUE(absl::IsFailedPrecondition(ShapeFromConfig(config).status()));
+  config.set_dtype("bf16");
+  config.set_head_dim(96);
+  EXPECT_TRUE(absl::IsFailedPrecondition(ShapeFromConfig(config).status()));
 }
 
 TEST(ReferenceCheckTest, DroppedSequencesAbandonTheirPendingDecodes) {
   ReferenceCheck::Options options;
   ReferenceCheck check(options);
   check.Sample(1);
-  const std::string q(24 * 128 * 2, '\0');
+  const std::string q(static_cast<size_t>(kernels::Shape{}.query_bytes()), '\0');
   ASSERT_GE(check.OnDecodeSent(1, 0, q, "", ""), 0);
   check.Drop(1);
   EXPECT_EQ(check.OnDecodeSent(1, 0, q, "", ""), -1);
@@ -290,7 +406,7 @@ TEST(ReferenceCheckTest, ThinsKeptDecodesWhenFull) {
   options.max_decodes = 4;
   ReferenceCheck check(options);
   check.Sample(1);
-  const std::string q(24 * 128 * 2, '\0');
+  const std::string q(static_cast<size_t>(kernels::Shape{}.query_bytes()), '\0');
   int kept = 0;
   for (int i = 0; i < 64; ++i) kept += check.OnDecodeSent(1, 0, q, "", "") >= 0 ? 1 : 0;
   EXPECT_GT(kept, 4);   // kept across the run, not only the first four

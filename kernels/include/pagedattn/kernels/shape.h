@@ -21,6 +21,9 @@ namespace pagedattn::kernels {
 
 enum class DType : uint8_t { kBf16 = 0, kFp16 = 1, kFp8E4m3 = 2 };
 
+// Pages of `page_size` tokens that hold `tokens` tokens: ceil(tokens / page_size).
+inline int64_t PagesFor(int64_t tokens, int64_t page_size) { return (tokens + page_size - 1) / page_size; }
+
 // "bf16", "fp16", "fp8_e4m3".
 const char* DTypeName(DType t);
 // Bytes of one element: 2, 2, 1.
@@ -43,6 +46,7 @@ struct Shape {
   int64_t kv_token_bytes() const { return token_elems() * DTypeBytes(kv_dtype); }  // as stored
   int64_t page_bytes() const { return page_elems() * DTypeBytes(kv_dtype); }
   int64_t lse_bytes() const { return int64_t{num_qo_heads} * 4; }  // one sequence's lse (fp32)
+  int64_t pages_for(int64_t tokens) const { return PagesFor(tokens, page_size); }  // pages of `tokens`
 
   bool operator==(const Shape& o) const {
     return num_qo_heads == o.num_qo_heads && num_kv_heads == o.num_kv_heads &&
