@@ -5,6 +5,7 @@
 //   pagedattn-cli [flags] decode ID[,ID...] [--layer=L] [--with_kv] [--q_file=F] [--output_file=F]
 //   pagedattn-cli [flags] memory | register NAME KEY BYTES [--offset=O] | unregister NAME
 //   pagedattn-cli [flags] export ID FILE | import ID FILE | offload ID | migrate ID TARGET
+//   [--via_region]
 // Exit status: 0 on success, 1 when the call fails (the status is printed), 2 for bad usage.
 #include <cmath>
 #include <cstdint>
@@ -54,6 +55,12 @@ ABSL_FLAG(float, sm_scale, 0.0f, "decode: softmax scale (0: 1/sqrt(128))");
 ABSL_FLAG(uint64_t, request_id, 1, "decode: request id (echoed by the server)");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the random normal data");
 ABSL_FLAG(uint64_t, offset, 0, "register: where the region starts in the shared-memory object");
+ABSL_FLAG(bool, via_region, false,
+          "migrate: move the K/V through one shared-memory object registered on both servers "
+          "(both on this host) instead of in the streams' messages");
+ABSL_FLAG(int64_t, region_bytes, 0,
+          "migrate --via_region: the object's size (0: enough for every committed token of "
+          "--target, from its stats)");
 
 namespace {
 
@@ -245,12 +252,16 @@ int Migrate(Client& from, uint64_t id, pagedattn::client::ClientOptions options,
   if (!other.ok()) return Fail(other.status());
   const absl::Time start = absl::Now();
   int64_t bytes = 0;
-  absl::StatusOr<int64_t> length = from.CopySequenceTo(id, **other, &bytes);
+  const bool via_region = absl::GetFlag(FLAGS_via_region);
+  absl::StatusOr<int64_t> length =
+      via_region ? from.MigrateThroughSharedMemory(id, **other, &bytes, absl::GetFlag(FLAGS_region_bytes))
+                 : from.CopySequenceTo(id, **other, &bytes);
   if (!length.ok()) return Fail(length.status());
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   std::cout << "sequence " << id << ": " << *length << " tokens, " << bytes / 1048576.0
-            << " MiB of K and V migrated in " << seconds * 1e3 << " ms, "
-            << (seconds > 0 ? bytes / seconds / 1e9 : 0.0) << " GB/s\n";
+            << " MiB of K and V migrated" << (via_region ? " through a shared-memory region" : "")
+            << " in " << seconds * 1e3 << " ms, " << (seconds > 0 ? bytes / seconds / 1e9 : 0.0)
+            << " GB/s\n";
   return 0;
 }
 
@@ -375,7 +386,8 @@ int main(int argc, char** argv) {
       "  export ID FILE             write a sequence's KV (every layer) to FILE\n"
       "  import ID FILE             make sequence ID from an export FILE (e.g. of another server)\n"
       "  offload ID                 move an idle sequence to the server's host tier\n"
-      "  migrate ID TARGET          export from --target and import into TARGET, timed");
+      "  migrate ID TARGET          export from --target and import into TARGET, timed;\n"
+      "                             --via_region: through a shared-memory region (same host)");
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   std::vector<std::string> args(positional.begin() + 1, positional.end());
   return Run(args);

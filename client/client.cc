@@ -1,5 +1,6 @@
 #include "client/client.h"
 
+#include <algorithm>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -7,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "client/shm_region.h"
 #include "grpc/grpc.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -78,6 +80,8 @@ v1::ImportSequenceChunk ImportHeader(const v1::ExportSequenceChunk& c, uint64_t 
   out.set_layer(c.layer());
   out.set_first_token(c.first_token());
   out.set_num_tokens(c.num_tokens());
+  if (c.has_k_ref()) *out.mutable_k_ref() = c.k_ref();
+  if (c.has_v_ref()) *out.mutable_v_ref() = c.v_ref();
   return out;
 }
 
@@ -225,10 +229,12 @@ absl::StatusOr<v1::GetStatsResponse> Client::GetStats() {
   return response;
 }
 
-absl::StatusOr<std::vector<v1::ExportSequenceChunk>> Client::ExportSequence(uint64_t sequence_id) {
+absl::StatusOr<std::vector<v1::ExportSequenceChunk>> Client::ExportSequence(
+    uint64_t sequence_id, const std::optional<v1::TensorRef>& destination) {
   auto context = NewContext();
   v1::ExportSequenceRequest request;
   request.set_sequence_id(sequence_id);
+  if (destination.has_value()) *request.mutable_destination() = *destination;
   std::unique_ptr<grpc::ClientReader<v1::ExportSequenceChunk>> reader =
       stub_->ExportSequence(context.get(), request);
   std::vector<v1::ExportSequenceChunk> chunks;
@@ -267,11 +273,13 @@ absl::StatusOr<int64_t> Client::ImportChunks(const std::vector<v1::ImportSequenc
 }
 
 absl::StatusOr<int64_t> Client::CopySequenceTo(uint64_t sequence_id, Client& destination,
-                                               int64_t* bytes) {
+                                               int64_t* bytes,
+                                               const std::optional<v1::TensorRef>& via) {
   auto from_context = NewContext();
   auto to_context = destination.NewContext();
   v1::ExportSequenceRequest request;
   request.set_sequence_id(sequence_id);
+  if (via.has_value()) *request.mutable_destination() = *via;
   std::unique_ptr<grpc::ClientReader<v1::ExportSequenceChunk>> reader =
       stub_->ExportSequence(from_context.get(), request);
   v1::ImportSequenceResponse response;
@@ -284,7 +292,8 @@ absl::StatusOr<int64_t> Client::CopySequenceTo(uint64_t sequence_id, Client& des
   while (reader->Read(&chunk)) {
     v1::ImportSequenceChunk out = ImportHeader(chunk, sequence_id, first);
     first = false;
-    moved += static_cast<int64_t>(chunk.k().size() + chunk.v().size());
+    moved += static_cast<int64_t>(chunk.k().size() + chunk.v().size() +
+                                  chunk.k_ref().byte_size() + chunk.v_ref().byte_size());
     out.set_allocated_k(chunk.release_k());
     out.set_allocated_v(chunk.release_v());
     if (!writer->Write(out)) {
@@ -305,6 +314,43 @@ absl::StatusOr<int64_t> Client::CopySequenceTo(uint64_t sequence_id, Client& des
   if (!imported.ok()) return FromGrpcStatus(imported);
   if (bytes != nullptr) *bytes = moved;
   return response.length();
+}
+
+absl::StatusOr<int64_t> Client::MigrateThroughSharedMemory(uint64_t sequence_id,
+                                                           Client& destination, int64_t* bytes,
+                                                           int64_t region_bytes) {
+  if (region_bytes <= 0) {
+    absl::StatusOr<v1::GetModelConfigResponse> config = GetModelConfig();
+    if (!config.ok()) return config.status();
+    absl::StatusOr<v1::GetStatsResponse> stats = GetStats();
+    if (!stats.ok()) return stats.status();
+    const int64_t element = config->kv_cache_dtype() == "fp8_e4m3" ? 1 : 2;
+    const int64_t row = int64_t{config->num_kv_heads()} * config->head_dim() * element;
+    region_bytes = std::max<int64_t>(2 * int64_t{config->num_layers()} * stats->tokens() * row,
+                                     int64_t{16});
+  }
+  absl::StatusOr<SharedMemoryRegion> shm =
+      SharedMemoryRegion::Create(static_cast<size_t>(region_bytes), "pa-migrate");
+  if (!shm.ok()) return shm.status();
+  const std::string name = shm->key().substr(1);  // the object's unique name, without "/"
+  if (absl::Status s = RegisterSystemMemory(name, shm->key(), 0, shm->size()); !s.ok()) return s;
+  absl::Status registered = destination.RegisterSystemMemory(name, shm->key(), 0, shm->size());
+  absl::StatusOr<int64_t> length = absl::UnknownError("not migrated");
+  if (!registered.ok()) {
+    length = registered;
+  } else {
+    (void)shm->Unlink();  // both servers hold their mappings
+    v1::TensorRef via;
+    via.set_region(name);
+    via.set_offset(0);
+    via.set_byte_size(shm->size());
+    length = CopySequenceTo(sequence_id, destination, bytes, via);
+    absl::Status unregistered = destination.UnregisterMemory(name);
+    if (length.ok() && !unregistered.ok()) length = unregistered;
+  }
+  absl::Status unregistered = UnregisterMemory(name);
+  if (length.ok() && !unregistered.ok()) length = unregistered;
+  return length;
 }
 
 absl::Status Client::OffloadSequence(uint64_t sequence_id) {
