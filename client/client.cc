@@ -1,6 +1,5 @@
 #include "client/client.h"
 
-#include <algorithm>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -8,7 +7,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "client/shm_region.h"
 #include "grpc/grpc.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -314,43 +312,6 @@ absl::StatusOr<int64_t> Client::CopySequenceTo(uint64_t sequence_id, Client& des
   if (!imported.ok()) return FromGrpcStatus(imported);
   if (bytes != nullptr) *bytes = moved;
   return response.length();
-}
-
-absl::StatusOr<int64_t> Client::MigrateThroughSharedMemory(uint64_t sequence_id,
-                                                           Client& destination, int64_t* bytes,
-                                                           int64_t region_bytes) {
-  if (region_bytes <= 0) {
-    absl::StatusOr<v1::GetModelConfigResponse> config = GetModelConfig();
-    if (!config.ok()) return config.status();
-    absl::StatusOr<v1::GetStatsResponse> stats = GetStats();
-    if (!stats.ok()) return stats.status();
-    const int64_t element = config->kv_cache_dtype() == "fp8_e4m3" ? 1 : 2;
-    const int64_t row = int64_t{config->num_kv_heads()} * config->head_dim() * element;
-    region_bytes = std::max<int64_t>(2 * int64_t{config->num_layers()} * stats->tokens() * row,
-                                     int64_t{16});
-  }
-  absl::StatusOr<SharedMemoryRegion> shm =
-      SharedMemoryRegion::Create(static_cast<size_t>(region_bytes), "pa-migrate");
-  if (!shm.ok()) return shm.status();
-  const std::string name = shm->key().substr(1);  // the object's unique name, without "/"
-  if (absl::Status s = RegisterSystemMemory(name, shm->key(), 0, shm->size()); !s.ok()) return s;
-  absl::Status registered = destination.RegisterSystemMemory(name, shm->key(), 0, shm->size());
-  absl::StatusOr<int64_t> length = absl::UnknownError("not migrated");
-  if (!registered.ok()) {
-    length = registered;
-  } else {
-    (void)shm->Unlink();  // both servers hold their mappings
-    v1::TensorRef via;
-    via.set_region(name);
-    via.set_offset(0);
-    via.set_byte_size(shm->size());
-    length = CopySequenceTo(sequence_id, destination, bytes, via);
-    absl::Status unregistered = destination.UnregisterMemory(name);
-    if (length.ok() && !unregistered.ok()) length = unregistered;
-  }
-  absl::Status unregistered = UnregisterMemory(name);
-  if (length.ok() && !unregistered.ok()) length = unregistered;
-  return length;
 }
 
 absl::Status Client::OffloadSequence(uint64_t sequence_id) {

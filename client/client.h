@@ -139,18 +139,11 @@ class Client {
   // committed length and, in *bytes (nullable), the K and V bytes moved. The destination keeps
   // nothing on error (its import is cancelled or refused).
   // With `via`: the export goes into that region and the import reads it from there (the
-  // region registered on both servers under the same name, e.g. one shared-memory object); the
-  // chunks carry references only.
+  // region registered on both servers under the same name, e.g. one shared-memory object:
+  // SharedRegion, migration.h); the chunks carry references only.
   absl::StatusOr<int64_t> CopySequenceTo(uint64_t sequence_id, Client& destination,
                                          int64_t* bytes = nullptr,
                                          const std::optional<v1::TensorRef>& via = std::nullopt);
-  // A migration through one shared-memory object of this host: creates it (`region_bytes`, or
-  // 0 for enough for every committed token of this client's server, GetStats().tokens),
-  // registers it on both servers under one name, CopySequenceTo through it, then unregisters
-  // it from both and removes it (also on error). The servers must run on this host.
-  absl::StatusOr<int64_t> MigrateThroughSharedMemory(uint64_t sequence_id, Client& destination,
-                                                     int64_t* bytes = nullptr,
-                                                     int64_t region_bytes = 0);
 
   // Tensors by reference: regions of this host's memory the server maps (see the proto).
   // key: a shared-memory object name (SharedMemoryRegion::key()); [offset, offset + byte_size)

@@ -111,6 +111,9 @@ def main():
             assert "sequence 5: 71 tokens" in out and "through a shared-memory region" in out, out
             _, err = run(["migrate", "5", other.target, "--via_region"], code=1)
             assert "ALREADY_EXISTS" in err, err
+            assert other_cli("release", "5").returncode == 0
+            out, _ = run(["migrate", "5", other.target, "--via_region", "--repeat=2"])
+            assert out.count("sequence 5: 71 tokens") == 2 and "median of 2" in out, out
             for listed in (run(["memory"])[0], other_cli("memory").stdout):
                 assert "pa-migrate" not in listed, listed
             theirs = json.loads(other_cli("stats").stdout)

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client/migration.h"
 #include "client/shm_region.h"
 #include "tests/integration/integration_test.h"
 
@@ -466,7 +467,7 @@ TEST_F(KvRegionsTest, ClientMigratesThroughSharedMemory) {
   Prefill(5, 300);
   Prefill(6, 20);
   int64_t bytes = 0;
-  auto length = client_->MigrateThroughSharedMemory(5, *b, &bytes);
+  auto length = client::MigrateThroughSharedMemory(*client_, 5, *b, &bytes);
   ASSERT_TRUE(length.ok()) << length.status();
   EXPECT_EQ(*length, 300);
   EXPECT_EQ(bytes, 2 * 2 * 300 * kRow);
@@ -475,7 +476,8 @@ TEST_F(KvRegionsTest, ClientMigratesThroughSharedMemory) {
   ASSERT_TRUE(original.ok() && moved.ok());
   EXPECT_EQ(Rows(*moved), Rows(*original));
   // The region is gone from both servers, also after a refused migration (id in use).
-  EXPECT_EQ(client_->MigrateThroughSharedMemory(5, *b).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(client::MigrateThroughSharedMemory(*client_, 5, *b).status().code(),
+            absl::StatusCode::kAlreadyExists);
   for (client::Client* c : {client_.get(), b.get()}) {
     auto listed = c->ListMemory();
     ASSERT_TRUE(listed.ok());
