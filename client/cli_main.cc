@@ -7,6 +7,8 @@
 //   pagedattn-cli [flags] export ID FILE | import ID FILE | offload ID | migrate ID TARGET
 //   [--via_region] [--repeat=N]
 // Exit status: 0 on success, 1 when the call fails (the status is printed), 2 for bad usage.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -35,6 +37,9 @@
 #include "client/bf16.h"
 #include "client/client.h"
 #include "client/migration.h"
+#ifdef PAGEDATTN_CLI_CUDA
+#include "client/cuda_region.h"
+#endif
 #include "client/tls_flags.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -60,6 +65,9 @@ ABSL_FLAG(uint64_t, offset, 0, "register: where the region starts in the shared-
 ABSL_FLAG(bool, via_region, false,
           "migrate: move the K/V through one shared-memory object registered on both servers "
           "(both on this host) instead of in the streams' messages");
+ABSL_FLAG(int32_t, region_device, -1,
+          "migrate --via_region: -1 a shared-memory object; N device memory on CUDA device N "
+          "registered on both servers by IPC handle (a cuda region; a CLI built with CUDA)");
 ABSL_FLAG(int32_t, repeat, 1,
           "migrate: runs (the copy on the target released between them); the median is printed");
 ABSL_FLAG(int64_t, region_bytes, 0,
@@ -258,17 +266,35 @@ int Migrate(Client& from, uint64_t id, pagedattn::client::ClientOptions options,
   if (!other.ok()) return Fail(other.status());
   const bool via_region = absl::GetFlag(FLAGS_via_region);
   const int32_t repeat = std::max<int32_t>(1, absl::GetFlag(FLAGS_repeat));
+#ifdef PAGEDATTN_CLI_CUDA
+  pagedattn::CudaRegion device_memory;  // outlives `region` (declared first, destroyed last)
+#endif
   std::unique_ptr<pagedattn::client::SharedRegion> region;
   if (via_region) {
     const absl::Time start = absl::Now();
     absl::StatusOr<int64_t> region_bytes = absl::GetFlag(FLAGS_region_bytes);
     if (*region_bytes <= 0) region_bytes = pagedattn::client::RegionBytesFor(from);
     if (!region_bytes.ok()) return Fail(region_bytes.status());
-    absl::StatusOr<std::unique_ptr<pagedattn::client::SharedRegion>> made =
-        pagedattn::client::SharedRegion::Create({&from, other->get()}, *region_bytes);
+    const int32_t device = absl::GetFlag(FLAGS_region_device);
+    absl::StatusOr<std::unique_ptr<pagedattn::client::SharedRegion>> made;
+    if (device < 0) {
+      made = pagedattn::client::SharedRegion::Create({&from, other->get()}, *region_bytes);
+    } else {
+#ifdef PAGEDATTN_CLI_CUDA
+      absl::StatusOr<pagedattn::CudaRegion> memory = pagedattn::CudaRegion::Create(device, *region_bytes);
+      if (!memory.ok()) return Fail(memory.status());
+      device_memory = *std::move(memory);
+      made = pagedattn::client::SharedRegion::RegisterDevice(
+          {&from, other->get()}, absl::StrCat("pa-migrate-cuda-", getpid()),
+          device_memory.ipc_handle(), device, *region_bytes);
+#else
+      made = absl::FailedPreconditionError("this pagedattn-cli was built without CUDA (--region_device)");
+#endif
+    }
     if (!made.ok()) return Fail(made.status());
     region = *std::move(made);
-    std::cout << "shared-memory region " << region->name() << " of " << *region_bytes / 1048576.0
+    std::cout << (device < 0 ? "shared-memory" : "cuda") << " region " << region->name() << " of "
+              << *region_bytes / 1048576.0
               << " MiB registered on both servers in "
               << absl::ToDoubleMilliseconds(absl::Now() - start) << " ms\n";
   }
@@ -286,7 +312,7 @@ int Migrate(Client& from, uint64_t id, pagedattn::client::ClientOptions options,
     const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
     times.push_back(seconds);
     std::cout << "sequence " << id << ": " << *length << " tokens, " << bytes / 1048576.0
-              << " MiB of K and V migrated" << (via_region ? " through a shared-memory region" : "")
+              << " MiB of K and V migrated" << (via_region ? " through a registered region" : "")
               << " in " << seconds * 1e3 << " ms, " << (seconds > 0 ? bytes / seconds / 1e9 : 0.0)
               << " GB/s\n";
   }
@@ -422,7 +448,8 @@ int main(int argc, char** argv) {
       "  import ID FILE             make sequence ID from an export FILE (e.g. of another server)\n"
       "  offload ID                 move an idle sequence to the server's host tier\n"
       "  migrate ID TARGET          export from --target and import into TARGET, timed;\n"
-      "                             --via_region: through a shared-memory region (same host);\n"
+      "                             --via_region: through a shared-memory region (same host;\n"
+      "                             --region_device=N: device memory of CUDA device N);\n"
       "                             --repeat=N: N runs and their median");
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   std::vector<std::string> args(positional.begin() + 1, positional.end());

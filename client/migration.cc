@@ -12,21 +12,34 @@ absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Create(
       SharedMemoryRegion::Create(static_cast<size_t>(bytes), "pa-migrate");
   if (!shm.ok()) return shm.status();
   std::string name = shm->key().substr(1);  // unique: pid, a serial and random digits
-  std::unique_ptr<SharedRegion> region(new SharedRegion(*std::move(shm), std::move(name)));
+  std::unique_ptr<SharedRegion> region(new SharedRegion(*std::move(shm), std::move(name), bytes));
   for (Client* server : servers) {
-    const SharedMemoryRegion& m = region->shm_;
+    const SharedMemoryRegion& m = *region->shm_;
     if (absl::Status s = server->RegisterSystemMemory(region->name_, m.key(), 0, m.size()); !s.ok()) {
       return s;  // the destructor unregisters it from those that took it
     }
     region->registered_.push_back(server);
   }
-  (void)region->shm_.Unlink();  // every server holds its mapping
+  (void)region->shm_->Unlink();  // every server holds its mapping
+  return region;
+}
+
+absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::RegisterDevice(
+    const std::vector<Client*>& servers, const std::string& name, const std::string& ipc_handle,
+    int32_t device_id, int64_t bytes) {
+  if (bytes <= 0) return absl::InvalidArgumentError("a shared region needs bytes > 0");
+  std::unique_ptr<SharedRegion> region(new SharedRegion(std::nullopt, name, bytes));
+  for (Client* server : servers) {
+    if (absl::Status s = server->RegisterCudaMemory(name, ipc_handle, device_id, static_cast<uint64_t>(bytes));
+        !s.ok()) {
+      return s;
+    }
+    region->registered_.push_back(server);
+  }
   return region;
 }
 
 SharedRegion::~SharedRegion() { (void)Close(); }
-
-v1::TensorRef SharedRegion::ref() const { return MakeTensorRef(name_, 0, shm_.size()); }
 
 absl::Status SharedRegion::Close() {
   absl::Status first;

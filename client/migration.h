@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,31 +17,39 @@
 
 namespace pagedattn::client {
 
-// A shared-memory object of this process registered on several servers under one name (its
-// key without "/", unique), its name unlinked once all hold it. Close (or the destructor)
-// unregisters it from each, waiting for their work that uses it. Not thread-safe.
+// One piece of memory of this process registered on several servers under one name: a
+// shared-memory object (Create: its key without "/", unique; the name unlinked once all hold
+// it), or the caller's CUDA allocation (RegisterDevice, by IPC handle). Close (or the
+// destructor) unregisters it from each, waiting for their work that uses it. Not thread-safe.
 class SharedRegion {
  public:
   // Creates `bytes` of shared memory and registers it on every server (in order; on failure the
   // ones that took it unregister it again). The servers must run on this host as this user.
   static absl::StatusOr<std::unique_ptr<SharedRegion>> Create(const std::vector<Client*>& servers,
                                                              int64_t bytes);
+  // Registers `bytes` of a CUDA allocation of the caller's (cudaIpcGetMemHandle's 64 bytes,
+  // on CUDA device `device_id`) on every server as `name`. The allocation must outlive the
+  // SharedRegion; data() is null.
+  static absl::StatusOr<std::unique_ptr<SharedRegion>> RegisterDevice(
+      const std::vector<Client*>& servers, const std::string& name, const std::string& ipc_handle,
+      int32_t device_id, int64_t bytes);
   ~SharedRegion();
   SharedRegion(const SharedRegion&) = delete;
   SharedRegion& operator=(const SharedRegion&) = delete;
 
   const std::string& name() const { return name_; }
   // The whole region as a TensorRef (e.g. an export's destination).
-  v1::TensorRef ref() const;
-  char* data() const { return shm_.data(); }
+  v1::TensorRef ref() const { return MakeTensorRef(name_, 0, static_cast<uint64_t>(bytes_)); }
+  char* data() const { return shm_.has_value() ? shm_->data() : nullptr; }
   // Unregisters from every server; the first error. Idempotent.
   absl::Status Close();
 
  private:
-  SharedRegion(SharedMemoryRegion shm, std::string name)
-      : shm_(std::move(shm)), name_(std::move(name)) {}
-  SharedMemoryRegion shm_;
+  SharedRegion(std::optional<SharedMemoryRegion> shm, std::string name, int64_t bytes)
+      : shm_(std::move(shm)), name_(std::move(name)), bytes_(bytes) {}
+  std::optional<SharedMemoryRegion> shm_;
   std::string name_;
+  int64_t bytes_ = 0;
   std::vector<Client*> registered_;
 };
 

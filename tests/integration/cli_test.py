@@ -108,7 +108,7 @@ def main():
                                       capture_output=True, text=True, timeout=60)
             assert other_cli("release", "5").returncode == 0
             out, _ = run(["migrate", "5", other.target, "--via_region"])
-            assert "sequence 5: 71 tokens" in out and "through a shared-memory region" in out, out
+            assert "sequence 5: 71 tokens" in out and "through a registered region" in out, out
             _, err = run(["migrate", "5", other.target, "--via_region"], code=1)
             assert "ALREADY_EXISTS" in err, err
             assert other_cli("release", "5").returncode == 0
