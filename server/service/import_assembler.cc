@@ -187,7 +187,9 @@ absl::StatusOr<std::shared_ptr<const SequenceSource>> ImportAssembler::Finish() 
         layer_done ? 0 : next_token_, " of ", length, " tokens x ", config_.num_layers,
         " layers was next"));
   }
-  return std::shared_ptr<const SequenceSource>(source_);
+  // The source (and the leases in it) belongs to the import from here on.
+  copy_.reset();
+  return std::shared_ptr<const SequenceSource>(std::move(source_));
 }
 
 }  // namespace pagedattn

@@ -42,7 +42,8 @@ class ImportAssembler {
   absl::Status Add(const v1::ImportSequenceChunk& chunk);
   bool started() const { return source_ != nullptr; }
   uint64_t sequence_id() const { return sequence_id_; }
-  // The assembled rows, once every token of every layer came.
+  // The assembled rows, once every token of every layer came (handed over: the assembler keeps
+  // no reference to them, nor to the regions they lease).
   absl::StatusOr<std::shared_ptr<const SequenceSource>> Finish();
 
  private:
