@@ -81,6 +81,10 @@ struct ModelConfig {
   int64_t num_pages = 0;
   int32_t max_batch_size = 0;
   std::string backend;  // "cpu" or "cuda"
+  // The model's shape as the kernels and pages see it.
+  kernels::Shape shape() const {
+    return {num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_cache_dtype};
+  }
 };
 
 struct EngineStats {

@@ -107,9 +107,8 @@ absl::Status ImportAssembler::Add(const v1::ImportSequenceChunk& chunk) {
 
 absl::Status ImportAssembler::TakeRows(const v1::ImportSequenceChunk& chunk, int32_t layer,
                                        int64_t first) {
-  const kernels::Shape model{config_.num_qo_heads, config_.num_kv_heads, config_.head_dim,
-                             config_.page_size,    config_.dtype,        config_.kv_cache_dtype};
-  const int64_t row_bytes = model.page_bytes() / model.page_size;
+  const kernels::Shape model = config_.shape();
+  const int64_t row_bytes = model.kv_token_bytes();
   const int64_t n = chunk.num_tokens();
   const int64_t bytes = n * row_bytes;
   if (chunk.has_k_ref() || chunk.has_v_ref()) {

@@ -5,9 +5,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "pagedattn/kernels/shape.h"
+#include "server/memory/memory_registry.h"
 #include "server/metrics/metrics.h"
 #include "server/service/call_counter.h"
-#include "server/memory/memory_registry.h"
 #include "server/service/status.h"
 
 namespace pagedattn {
@@ -119,9 +119,7 @@ bool ExportReactor::NextChunkLocked() {
     next_token_ = 0;
   }
   if (layer_ >= config_.num_layers) return false;
-  const k::Shape model{config_.num_qo_heads, config_.num_kv_heads, config_.head_dim,
-                       config_.page_size,    config_.dtype,        config_.kv_cache_dtype};
-  const int64_t row = model.page_bytes() / model.page_size;
+  const int64_t row = config_.shape().kv_token_bytes();
   const int64_t per_chunk =
       by_ref_ ? kExportRefChunkTokens : std::max<int64_t>(1, kExportChunkBytes / (2 * row));
   const int64_t n = std::min<int64_t>(per_chunk, length - next_token_);
@@ -130,7 +128,8 @@ bool ExportReactor::NextChunkLocked() {
   chunk_.set_num_tokens(static_cast<int32_t>(n));
   if (by_ref_) {
     // The destination's layout: layer after layer, K then V, each `length` rows.
-    const uint64_t k_at = destination_.offset() + (2 * uint64_t(layer_) * length + next_token_) * row;
+    const uint64_t k_at =
+        destination_.offset() + static_cast<uint64_t>((2 * int64_t{layer_} * length + next_token_) * row);
     const uint64_t v_at = k_at + static_cast<uint64_t>(length * row);
     for (auto [ref, at] : {std::pair{chunk_.mutable_k_ref(), k_at}, std::pair{chunk_.mutable_v_ref(), v_at}}) {
       ref->set_region(destination_.region());
