@@ -424,7 +424,7 @@ TEST_F(KvRegionsTest, UnregisterWaitsForAnExportWritingTheRegion) {
   StartServer({"--max_batch_size=8", "--num_pages=1024"});
   Prefill(1, 100);
   // Eight long forks: one attend-only decode of them keeps the executor busy for a while.
-  Prefill(2, 16000);
+  Prefill(2, 8000);
   std::vector<uint64_t> forks;
   for (uint64_t id = 10; id < 18; ++id) {
     ASSERT_TRUE(client_->ForkSequence(2, id).ok());
