@@ -53,6 +53,13 @@ void AppendTokenRuns(int32_t layer, absl::Span<const int32_t> pages, int64_t fir
   }
 }
 
+// An export reads committed tokens only: FAILED_PRECONDITION for a sequence mid-step.
+absl::Status BetweenSteps(const SequenceTable::View& view, uint64_t id) {
+  if (view.step_tokens == 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "sequence ", id, " is mid-step (next layer ", view.next_layer, "): export between steps"));
+}
+
 }  // namespace
 
 absl::Status SequenceData::Allocate(int32_t layers, int64_t tokens, const k::Shape& model) {
@@ -258,10 +265,7 @@ absl::Status Tiers::PrepareItem(SequenceTable& table, BlockAllocator& allocator,
 absl::StatusOr<std::shared_ptr<const SequenceData>> Tiers::Export(SequenceTable& table, uint64_t id) {
   absl::StatusOr<SequenceTable::View> view = table.Get(id);
   if (!view.ok()) return view.status();
-  if (view->step_tokens != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "sequence ", id, " is mid-step (next layer ", view->next_layer, "): export between steps"));
-  }
+  if (absl::Status s = BetweenSteps(*view, id); !s.ok()) return s;
   auto data = std::make_shared<SequenceData>();
   if (absl::Status s = data->Allocate(options_.num_layers, view->length, options_.model); !s.ok()) return s;
   // Only the pages that hold committed tokens (a step's pages are never here: not mid-step).
@@ -289,10 +293,7 @@ absl::StatusOr<std::shared_ptr<const SequenceData>> Tiers::Export(SequenceTable&
 absl::StatusOr<int64_t> Tiers::ExportTo(SequenceTable& table, uint64_t id, Tensor& destination) {
   absl::StatusOr<SequenceTable::View> view = table.Get(id);
   if (!view.ok()) return view.status();
-  if (view->step_tokens != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "sequence ", id, " is mid-step (next layer ", view->next_layer, "): export between steps"));
-  }
+  if (absl::Status s = BetweenSteps(*view, id); !s.ok()) return s;
   const int64_t length = view->length;
   const int64_t page_size = options_.model.page_size;
   const int64_t page_bytes = options_.model.page_bytes();
