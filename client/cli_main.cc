@@ -5,7 +5,11 @@
 //   pagedattn-cli [flags] decode ID[,ID...] [--layer=L] [--with_kv] [--q_file=F] [--output_file=F]
 //   pagedattn-cli [flags] memory | register NAME KEY BYTES [--offset=O] | unregister NAME
 //   pagedattn-cli [flags] export ID FILE | import ID FILE | offload ID | migrate ID TARGET
+//   [--via_region] [--repeat=N]
 // Exit status: 0 on success, 1 when the call fails (the status is printed), 2 for bad usage.
+#include <unistd.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <fstream>
@@ -32,6 +36,10 @@
 #include "absl/time/time.h"
 #include "client/bf16.h"
 #include "client/client.h"
+#include "client/migration.h"
+#ifdef PAGEDATTN_CLI_CUDA
+#include "client/cuda_region.h"
+#endif
 #include "client/tls_flags.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -54,6 +62,17 @@ ABSL_FLAG(float, sm_scale, 0.0f, "decode: softmax scale (0: 1/sqrt(head_dim))");
 ABSL_FLAG(uint64_t, request_id, 1, "decode: request id (echoed by the server)");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the random normal data");
 ABSL_FLAG(uint64_t, offset, 0, "register: where the region starts in the shared-memory object");
+ABSL_FLAG(bool, via_region, false,
+          "migrate: move the K/V through one shared-memory object registered on both servers "
+          "(both on this host) instead of in the streams' messages");
+ABSL_FLAG(int32_t, region_device, -1,
+          "migrate --via_region: -1 a shared-memory object; N device memory on CUDA device N "
+          "registered on both servers by IPC handle (a cuda region; a CLI built with CUDA)");
+ABSL_FLAG(int32_t, repeat, 1,
+          "migrate: runs (the copy on the target released between them); the median is printed");
+ABSL_FLAG(int64_t, region_bytes, 0,
+          "migrate --via_region: the object's size (0: enough for every committed token of "
+          "--target, from its stats)");
 
 namespace {
 
@@ -238,19 +257,72 @@ int ImportFromFile(Client& client, uint64_t id, const std::string& path) {
 }
 
 // A migration: this client's server's export streamed straight into `to`'s import (same id,
-// same options otherwise), timed.
+// same options otherwise), timed; with --via_region through one shared-memory region registered
+// on both servers (set up once, its time printed apart). With --repeat=N it runs N times,
+// releasing the copy on `to` between runs, and prints the median too.
 int Migrate(Client& from, uint64_t id, pagedattn::client::ClientOptions options, const std::string& to) {
   options.target = to;
   absl::StatusOr<std::unique_ptr<Client>> other = Client::Connect(options);
   if (!other.ok()) return Fail(other.status());
-  const absl::Time start = absl::Now();
-  int64_t bytes = 0;
-  absl::StatusOr<int64_t> length = from.CopySequenceTo(id, **other, &bytes);
-  if (!length.ok()) return Fail(length.status());
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  std::cout << "sequence " << id << ": " << *length << " tokens, " << bytes / 1048576.0
-            << " MiB of K and V migrated in " << seconds * 1e3 << " ms, "
-            << (seconds > 0 ? bytes / seconds / 1e9 : 0.0) << " GB/s\n";
+  const bool via_region = absl::GetFlag(FLAGS_via_region);
+  const int32_t repeat = std::max<int32_t>(1, absl::GetFlag(FLAGS_repeat));
+#ifdef PAGEDATTN_CLI_CUDA
+  pagedattn::CudaRegion device_memory;  // outlives `region` (declared first, destroyed last)
+#endif
+  std::unique_ptr<pagedattn::client::SharedRegion> region;
+  if (via_region) {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<int64_t> region_bytes = absl::GetFlag(FLAGS_region_bytes);
+    if (*region_bytes <= 0) region_bytes = pagedattn::client::RegionBytesFor(from);
+    if (!region_bytes.ok()) return Fail(region_bytes.status());
+    const int32_t device = absl::GetFlag(FLAGS_region_device);
+    absl::StatusOr<std::unique_ptr<pagedattn::client::SharedRegion>> made;
+    if (device < 0) {
+      made = pagedattn::client::SharedRegion::Create({&from, other->get()}, *region_bytes);
+    } else {
+#ifdef PAGEDATTN_CLI_CUDA
+      absl::StatusOr<pagedattn::CudaRegion> memory = pagedattn::CudaRegion::Create(device, *region_bytes);
+      if (!memory.ok()) return Fail(memory.status());
+      device_memory = *std::move(memory);
+      made = pagedattn::client::SharedRegion::RegisterDevice(
+          {&from, other->get()}, absl::StrCat("pa-migrate-cuda-", getpid()),
+          device_memory.ipc_handle(), device, *region_bytes);
+#else
+      made = absl::FailedPreconditionError("this pagedattn-cli was built without CUDA (--region_device)");
+#endif
+    }
+    if (!made.ok()) return Fail(made.status());
+    region = *std::move(made);
+    std::cout << (device < 0 ? "shared-memory" : "cuda") << " region " << region->name() << " of "
+              << *region_bytes / 1048576.0
+              << " MiB registered on both servers in "
+              << absl::ToDoubleMilliseconds(absl::Now() - start) << " ms\n";
+  }
+  std::vector<double> times;
+  for (int32_t run = 0; run < repeat; ++run) {
+    if (run > 0) {
+      if (absl::Status s = (*other)->ReleaseSequence(id); !s.ok()) return Fail(s);
+    }
+    const absl::Time start = absl::Now();
+    int64_t bytes = 0;
+    absl::StatusOr<int64_t> length =
+        via_region ? from.CopySequenceTo(id, **other, &bytes, region->ref())
+                   : from.CopySequenceTo(id, **other, &bytes);
+    if (!length.ok()) return Fail(length.status());
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    times.push_back(seconds);
+    std::cout << "sequence " << id << ": " << *length << " tokens, " << bytes / 1048576.0
+              << " MiB of K and V migrated" << (via_region ? " through a registered region" : "")
+              << " in " << seconds * 1e3 << " ms, " << (seconds > 0 ? bytes / seconds / 1e9 : 0.0)
+              << " GB/s\n";
+  }
+  if (repeat > 1) {
+    std::sort(times.begin(), times.end());
+    std::cout << "median of " << repeat << ": " << times[times.size() / 2] * 1e3 << " ms\n";
+  }
+  if (region != nullptr) {
+    if (absl::Status s = region->Close(); !s.ok()) return Fail(s);
+  }
   return 0;
 }
 
@@ -375,7 +447,10 @@ int main(int argc, char** argv) {
       "  export ID FILE             write a sequence's KV (every layer) to FILE\n"
       "  import ID FILE             make sequence ID from an export FILE (e.g. of another server)\n"
       "  offload ID                 move an idle sequence to the server's host tier\n"
-      "  migrate ID TARGET          export from --target and import into TARGET, timed");
+      "  migrate ID TARGET          export from --target and import into TARGET, timed;\n"
+      "                             --via_region: through a shared-memory region (same host;\n"
+      "                             --region_device=N: device memory of CUDA device N);\n"
+      "                             --repeat=N: N runs and their median");
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   std::vector<std::string> args(positional.begin() + 1, positional.end());
   return Run(args);

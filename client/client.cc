@@ -78,6 +78,8 @@ v1::ImportSequenceChunk ImportHeader(const v1::ExportSequenceChunk& c, uint64_t 
   out.set_layer(c.layer());
   out.set_first_token(c.first_token());
   out.set_num_tokens(c.num_tokens());
+  if (c.has_k_ref()) *out.mutable_k_ref() = c.k_ref();
+  if (c.has_v_ref()) *out.mutable_v_ref() = c.v_ref();
   return out;
 }
 
@@ -225,10 +227,12 @@ absl::StatusOr<v1::GetStatsResponse> Client::GetStats() {
   return response;
 }
 
-absl::StatusOr<std::vector<v1::ExportSequenceChunk>> Client::ExportSequence(uint64_t sequence_id) {
+absl::StatusOr<std::vector<v1::ExportSequenceChunk>> Client::ExportSequence(
+    uint64_t sequence_id, const std::optional<v1::TensorRef>& destination) {
   auto context = NewContext();
   v1::ExportSequenceRequest request;
   request.set_sequence_id(sequence_id);
+  if (destination.has_value()) *request.mutable_destination() = *destination;
   std::unique_ptr<grpc::ClientReader<v1::ExportSequenceChunk>> reader =
       stub_->ExportSequence(context.get(), request);
   std::vector<v1::ExportSequenceChunk> chunks;
@@ -267,11 +271,13 @@ absl::StatusOr<int64_t> Client::ImportChunks(const std::vector<v1::ImportSequenc
 }
 
 absl::StatusOr<int64_t> Client::CopySequenceTo(uint64_t sequence_id, Client& destination,
-                                               int64_t* bytes) {
+                                               int64_t* bytes,
+                                               const std::optional<v1::TensorRef>& via) {
   auto from_context = NewContext();
   auto to_context = destination.NewContext();
   v1::ExportSequenceRequest request;
   request.set_sequence_id(sequence_id);
+  if (via.has_value()) *request.mutable_destination() = *via;
   std::unique_ptr<grpc::ClientReader<v1::ExportSequenceChunk>> reader =
       stub_->ExportSequence(from_context.get(), request);
   v1::ImportSequenceResponse response;
@@ -284,7 +290,8 @@ absl::StatusOr<int64_t> Client::CopySequenceTo(uint64_t sequence_id, Client& des
   while (reader->Read(&chunk)) {
     v1::ImportSequenceChunk out = ImportHeader(chunk, sequence_id, first);
     first = false;
-    moved += static_cast<int64_t>(chunk.k().size() + chunk.v().size());
+    moved += static_cast<int64_t>(chunk.k().size() + chunk.v().size() +
+                                  chunk.k_ref().byte_size() + chunk.v_ref().byte_size());
     out.set_allocated_k(chunk.release_k());
     out.set_allocated_v(chunk.release_v());
     if (!writer->Write(out)) {

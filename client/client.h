@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -118,11 +119,16 @@ class Client {
   absl::Status ReleaseSequence(uint64_t sequence_id);
   absl::StatusOr<v1::GetStatsResponse> GetStats();
   // KV beyond one pool. ExportSequence: every chunk of the sequence (layer by layer, at most
-  // 2 MiB of k and v each), in order; the first names the pages' type and fp8 scales. ImportSequence: streams `chunks` (e.g. another
+  // 2 MiB of k and v each), in order; the first names the pages' type and fp8 scales. With a
+  // `destination` (a region registered on this client's server, see the proto's
+  // ExportSequenceRequest.destination) the rows are written there and the chunks (one per
+  // layer) carry k_ref/v_ref instead of bytes. ImportSequence: streams `chunks` (e.g. another
   // server's export; sequence_id and length are set on the first from `sequence_id` and the
-  // chunks' own length) and returns the committed length. Both use the options' timeout for
-  // the whole stream.
-  absl::StatusOr<std::vector<v1::ExportSequenceChunk>> ExportSequence(uint64_t sequence_id);
+  // chunks' own length; a chunk's k_ref/v_ref are passed as they are, so they must name a
+  // region registered on this server: the same memory under the same name) and returns the
+  // committed length. Both use the options' timeout for the whole stream.
+  absl::StatusOr<std::vector<v1::ExportSequenceChunk>> ExportSequence(
+      uint64_t sequence_id, const std::optional<v1::TensorRef>& destination = std::nullopt);
   absl::StatusOr<int64_t> ImportSequence(uint64_t sequence_id,
                                          const std::vector<v1::ExportSequenceChunk>& chunks);
   // The raw stream, for callers that build chunks themselves (tests of bad streams).
@@ -132,8 +138,12 @@ class Client {
   // import under the same id, chunk by chunk with both streams open (a migration); returns the
   // committed length and, in *bytes (nullable), the K and V bytes moved. The destination keeps
   // nothing on error (its import is cancelled or refused).
+  // With `via`: the export goes into that region and the import reads it from there (the
+  // region registered on both servers under the same name, e.g. one shared-memory object:
+  // SharedRegion, migration.h); the chunks carry references only.
   absl::StatusOr<int64_t> CopySequenceTo(uint64_t sequence_id, Client& destination,
-                                         int64_t* bytes = nullptr);
+                                         int64_t* bytes = nullptr,
+                                         const std::optional<v1::TensorRef>& via = std::nullopt);
 
   // Tensors by reference: regions of this host's memory the server maps (see the proto).
   // key: a shared-memory object name (SharedMemoryRegion::key()); [offset, offset + byte_size)

@@ -107,15 +107,37 @@ struct BackendBatch {
 // the CUDA backend's staging arena and output buffer (cuda_staging.h), so each direction moves
 // in one copy.
 // A run of `count` consecutive pages (ids page .. page+count-1) of one layer of the pool, and
-// host memory holding them in the same order: count * page_bytes of K at `k` and of V at `v`
-// (each page [page_size, num_kv_heads, head_dim] in the pages' type, as in the pool; 64 KiB
-// for the default shape). See Backend::ReadPages / WritePages.
+// memory holding them in the same order: count * page_bytes of K at `k` and of V at `v` (each
+// page [page_size, num_kv_heads, head_dim] in the pages' type, as in the pool; 64 KiB for the
+// default shape). See Backend::ReadPages / WritePages.
+//
+// A run may copy part of its pages only: `bytes` (> 0) bytes of K and of V starting `offset`
+// bytes into the first page (offset < one page, offset + bytes within the run's pages), then k
+// and v point at those bytes, not at a page start. bytes 0: the whole pages (offset must be 0).
+// Sequence rows in a caller's region (export and import by reference) are packed without the
+// padding of a last partial page, and may start mid-page.
+//
+// `on_device`: k and v are device memory (a client's CUDA region) rather than host memory.
 struct PageRun {
   int32_t layer = 0;
   int32_t page = 0;
   int32_t count = 0;
   char* k = nullptr;
   char* v = nullptr;
+  int64_t offset = 0;
+  int64_t bytes = 0;
+  bool on_device = false;
+  // Bytes of K (and of V) this run copies, given a page's bytes.
+  int64_t CopyBytes(int64_t page_bytes) const { return bytes > 0 ? bytes : count * page_bytes; }
+};
+
+// A copy from host memory into memory a client registered (host, or device memory for a backend
+// with a device): see Backend::CopyFromHost.
+struct MemoryCopy {
+  char* dst = nullptr;
+  const char* src = nullptr;
+  int64_t bytes = 0;
+  bool dst_on_device = false;
 };
 
 struct DecodeBlockLayout {
@@ -201,10 +223,15 @@ class Backend {
   // fastest the backend can copy to and from (pinned on CUDA). RESOURCE_EXHAUSTED when it
   // cannot. Called once at start for the host tier.
   virtual absl::StatusOr<char*> AllocateHostMemory(int64_t bytes);
-  // Pool -> host.
+  // Pool -> host (or -> device memory: runs with on_device, from a client's CUDA region; a
+  // backend without a device refuses them with INTERNAL).
   virtual absl::Status ReadPages(const std::vector<PageRun>& runs);
-  // Host -> pool.
+  // Host (or device, as above) -> pool.
   virtual absl::Status WritePages(const std::vector<PageRun>& runs);
+  // Host memory -> a client's registered memory (an export into a region of a sequence held in
+  // the host tier): ordered and complete like ReadPages. The default copies into host memory
+  // and refuses device memory (INTERNAL).
+  virtual absl::Status CopyFromHost(const std::vector<MemoryCopy>& copies);
 };
 
 // Checks runs against the pool shape (layer, page range, pointers). INTERNAL when wrong.

@@ -18,14 +18,27 @@ absl::StatusOr<char*> CpuBackend::AllocateHostMemory(int64_t bytes) {
   return host_memory_.back().get();
 }
 
+namespace {
+
+// This backend has no device: a run in device memory is a malformed transfer.
+absl::Status HostRunsOnly(const std::vector<PageRun>& runs) {
+  for (const PageRun& r : runs) {
+    if (r.on_device) return absl::InternalError("the cpu backend cannot copy pages to or from device memory");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status CpuBackend::ReadPages(const std::vector<PageRun>& runs) {
   if (!initialized_) return absl::FailedPreconditionError("backend not initialized");
   if (absl::Status s = ValidatePageRuns(runs, shape_); !s.ok()) return s;
+  if (absl::Status s = HostRunsOnly(runs); !s.ok()) return s;
   for (const PageRun& r : runs) {
     const int64_t page_bytes = shape_.model.page_bytes();
-    const int64_t at = (int64_t{r.layer} * shape_.num_pages + r.page) * page_bytes;
-    std::memcpy(r.k, k_pool_.get() + at, int64_t{r.count} * page_bytes);
-    std::memcpy(r.v, v_pool_.get() + at, int64_t{r.count} * page_bytes);
+    const int64_t at = (int64_t{r.layer} * shape_.num_pages + r.page) * page_bytes + r.offset;
+    std::memcpy(r.k, k_pool_.get() + at, r.CopyBytes(page_bytes));
+    std::memcpy(r.v, v_pool_.get() + at, r.CopyBytes(page_bytes));
   }
   return absl::OkStatus();
 }
@@ -33,11 +46,12 @@ absl::Status CpuBackend::ReadPages(const std::vector<PageRun>& runs) {
 absl::Status CpuBackend::WritePages(const std::vector<PageRun>& runs) {
   if (!initialized_) return absl::FailedPreconditionError("backend not initialized");
   if (absl::Status s = ValidatePageRuns(runs, shape_); !s.ok()) return s;
+  if (absl::Status s = HostRunsOnly(runs); !s.ok()) return s;
   for (const PageRun& r : runs) {
     const int64_t page_bytes = shape_.model.page_bytes();
-    const int64_t at = (int64_t{r.layer} * shape_.num_pages + r.page) * page_bytes;
-    std::memcpy(k_pool_.get() + at, r.k, int64_t{r.count} * page_bytes);
-    std::memcpy(v_pool_.get() + at, r.v, int64_t{r.count} * page_bytes);
+    const int64_t at = (int64_t{r.layer} * shape_.num_pages + r.page) * page_bytes + r.offset;
+    std::memcpy(k_pool_.get() + at, r.k, r.CopyBytes(page_bytes));
+    std::memcpy(v_pool_.get() + at, r.v, r.CopyBytes(page_bytes));
   }
   return absl::OkStatus();
 }

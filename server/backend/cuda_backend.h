@@ -161,11 +161,14 @@ class CudaBackend final : public Backend {
   // Page transfers (backend.h), cuda_backend_pages.cc: pinned host memory (cudaHostAlloc), and
   // one cudaMemcpyAsync per run and K/V on a transfer stream of their own, behind the pool work
   // of every batch launched before (an event wait), synchronized before they return. Runs in
-  // pinned memory (the host tier) go at the copy engine's bandwidth; pageable memory (export
-  // and import buffers) goes through the runtime's staging.
+  // pinned memory (the host tier, and clients' system regions, which registration pins) go at
+  // the copy engine's bandwidth; pageable memory (inline export and import buffers) goes
+  // through the runtime's staging. Runs on_device (a client's CUDA region on this device or a
+  // peer) are device-to-device copies (cudaMemcpyDefault over unified addresses).
   absl::StatusOr<char*> AllocateHostMemory(int64_t bytes) override;
   absl::Status ReadPages(const std::vector<PageRun>& runs) override;
   absl::Status WritePages(const std::vector<PageRun>& runs) override;
+  absl::Status CopyFromHost(const std::vector<MemoryCopy>& copies) override;
 
   // Bytes of device memory Init takes beyond the pool (staging, outputs, decoder workspaces).
   int64_t staging_device_bytes() const;

@@ -131,6 +131,10 @@ struct CudaBackend::Impl {
   // Enqueues one cudaMemcpyAsync per run and K/V on transfer_stream behind the pool work of
   // every batch launched so far, and waits for them.
   absl::Status TransferPages(const std::vector<PageRun>& runs, bool to_host);
+  // CudaBackend::CopyFromHost, on transfer_stream in the same order.
+  absl::Status CopyFromHost(const std::vector<MemoryCopy>& copies);
+  // Creates transfer_stream once and orders it behind the pool work launched last.
+  absl::Status OrderTransfers();
 
   ~Impl();
   absl::Status Fail(absl::Status s) {

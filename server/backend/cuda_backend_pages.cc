@@ -1,5 +1,5 @@
-// CudaBackend's page transfers between the pool and host memory (backend.h): the host tier's
-// offload and restore, export and import.
+// CudaBackend's page transfers between the pool and host memory or a client's registered
+// memory (backend.h): the host tier's offload and restore, export and import.
 #include <cuda_runtime.h>
 
 #include <vector>
@@ -29,11 +29,7 @@ absl::StatusOr<char*> CudaBackend::AllocateHostMemory(int64_t bytes) {
   return p;
 }
 
-absl::Status CudaBackend::Impl::TransferPages(const std::vector<PageRun>& runs, bool to_host) {
-  if (!failed.ok()) return failed;
-  if (!initialized) return absl::FailedPreconditionError("backend not initialized");
-  if (absl::Status s = ValidatePageRuns(runs, shape); !s.ok()) return s;
-  PA_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+absl::Status CudaBackend::Impl::OrderTransfers() {
   if (transfer_stream == nullptr) {
     PA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&transfer_stream, cudaStreamNonBlocking));
   }
@@ -44,19 +40,33 @@ absl::Status CudaBackend::Impl::TransferPages(const std::vector<PageRun>& runs, 
       return Fail(cuda_backend_internal::CudaError("cudaStreamWaitEvent", e));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Impl::TransferPages(const std::vector<PageRun>& runs, bool to_host) {
+  if (!failed.ok()) return failed;
+  if (!initialized) return absl::FailedPreconditionError("backend not initialized");
+  if (absl::Status s = ValidatePageRuns(runs, shape); !s.ok()) return s;
+  PA_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  if (absl::Status s = OrderTransfers(); !s.ok()) return s;
   for (const PageRun& r : runs) {
     const int64_t at = (int64_t{r.layer} * shape.num_pages + r.page) * k::kPageElems;
-    const size_t bytes = static_cast<size_t>(int64_t{r.count} * k::kPageBytes);
+    const size_t bytes = static_cast<size_t>(r.CopyBytes(k::kPageBytes));
+    const char* k_page = reinterpret_cast<const char*>(k_pool + at) + r.offset;
+    const char* v_page = reinterpret_cast<const char*>(v_pool + at) + r.offset;
+    // A client's CUDA region (this device or a peer, opened with lazy peer access): the
+    // runtime picks the path from the unified addresses.
+    const cudaMemcpyKind kind = r.on_device ? cudaMemcpyDefault
+                                : to_host   ? cudaMemcpyDeviceToHost
+                                            : cudaMemcpyHostToDevice;
     cudaError_t e;
     if (to_host) {
-      e = cudaMemcpyAsync(r.k, k_pool + at, bytes, cudaMemcpyDeviceToHost, transfer_stream);
-      if (e == cudaSuccess) {
-        e = cudaMemcpyAsync(r.v, v_pool + at, bytes, cudaMemcpyDeviceToHost, transfer_stream);
-      }
+      e = cudaMemcpyAsync(r.k, k_page, bytes, kind, transfer_stream);
+      if (e == cudaSuccess) e = cudaMemcpyAsync(r.v, v_page, bytes, kind, transfer_stream);
     } else {
-      e = cudaMemcpyAsync(k_pool + at, r.k, bytes, cudaMemcpyHostToDevice, transfer_stream);
+      e = cudaMemcpyAsync(const_cast<char*>(k_page), r.k, bytes, kind, transfer_stream);
       if (e == cudaSuccess) {
-        e = cudaMemcpyAsync(v_pool + at, r.v, bytes, cudaMemcpyHostToDevice, transfer_stream);
+        e = cudaMemcpyAsync(const_cast<char*>(v_page), r.v, bytes, kind, transfer_stream);
       }
     }
     if (e != cudaSuccess) return Fail(cuda_backend_internal::CudaError("cudaMemcpyAsync", e));
@@ -65,6 +75,33 @@ absl::Status CudaBackend::Impl::TransferPages(const std::vector<PageRun>& runs, 
     return Fail(cuda_backend_internal::CudaError("cudaStreamSynchronize", e));
   }
   return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Impl::CopyFromHost(const std::vector<MemoryCopy>& copies) {
+  if (!failed.ok()) return failed;
+  if (!initialized) return absl::FailedPreconditionError("backend not initialized");
+  for (const MemoryCopy& c : copies) {
+    if (c.dst == nullptr || c.src == nullptr || c.bytes < 0) {
+      return absl::InternalError("a host copy without memory");
+    }
+  }
+  PA_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  if (absl::Status s = OrderTransfers(); !s.ok()) return s;
+  for (const MemoryCopy& c : copies) {
+    const cudaMemcpyKind kind = c.dst_on_device ? cudaMemcpyDefault : cudaMemcpyHostToHost;
+    if (cudaError_t e = cudaMemcpyAsync(c.dst, c.src, static_cast<size_t>(c.bytes), kind, transfer_stream);
+        e != cudaSuccess) {
+      return Fail(cuda_backend_internal::CudaError("cudaMemcpyAsync", e));
+    }
+  }
+  if (cudaError_t e = cudaStreamSynchronize(transfer_stream); e != cudaSuccess) {
+    return Fail(cuda_backend_internal::CudaError("cudaStreamSynchronize", e));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::CopyFromHost(const std::vector<MemoryCopy>& copies) {
+  return impl_->CopyFromHost(copies);
 }
 
 absl::Status CudaBackend::ReadPages(const std::vector<PageRun>& runs) {

@@ -6,8 +6,11 @@
 #   tests    the CUDA backend's test binaries (staging unit test, GPU test against the CPU
 #            backend and the engine, registered memory over CUDA IPC, the KV tiers' page
 #            transfers); with KERNEL_TESTS=1 also the kernel's GPU test (long)
-#   tiers    the offload/restore bandwidth bench of a 32K-token sequence next to pinned
-#            cudaMemcpy (tier_bench.log)
+#   tiers    the offload/restore and migration bench of a 32K-token sequence next to pinned
+#            cudaMemcpy (tier_bench.log), then a migration of one between two CUDA servers on
+#            this GPU over gRPC, by bytes, through a shared-memory region and through a cuda
+#            region (pagedattn-cli migrate --repeat=10 [--via_region [--region_device=0]],
+#            migrate.log)
 #   server   pagedattn-server --backend=cuda (pool sized by --gpu_memory_fraction), its health
 #            probe, a CLI round trip and a small loadgen run with the reference check; the
 #            server stays up for the next step
@@ -68,6 +71,35 @@ if has tiers; then
   else
     say "skip pagedattn_cuda_tier_bench (not in the bundle)"
   fi
+  # Two servers on this GPU, a 32K-token sequence of one layer on the first, migrated to the
+  # second ten times each way the CLI offers (the copy released between runs).
+  : > "$OUT/migrate.log"
+  mig_flags=(--backend=cuda --num_layers=1 --num_pages=1024 --host_kv_bytes=0
+             --max_message_bytes=134217728 --metrics_address= --grpc_address=127.0.0.1:0)
+  mig_pids=(); mig_targets=()
+  for i in 0 1; do
+    "$BIN/pagedattn-server" "${mig_flags[@]}" > "$OUT/migrate_server$i.log" 2>&1 &
+    mig_pids+=($!)
+    line=
+    for _ in $(seq 1 120); do
+      line=$(grep -m1 "serving grpc=" "$OUT/migrate_server$i.log" 2> /dev/null) && break
+      sleep 0.5
+    done
+    mig_targets+=("$(sed -E 's/.*grpc=([^ ]+).*/\1/' <<< "$line")")
+  done
+  mcli() { "$BIN/pagedattn-cli" --max_message_bytes=134217728 --target="${mig_targets[0]}" "$@"; }
+  {
+    mcli create 1 && mcli append 1 --num_tokens=32768 &&
+      mcli migrate 1 "${mig_targets[1]}" --repeat=10 &&
+      "$BIN/pagedattn-cli" --target="${mig_targets[1]}" release 1 &&
+      mcli migrate 1 "${mig_targets[1]}" --repeat=10 --via_region &&
+      "$BIN/pagedattn-cli" --target="${mig_targets[1]}" release 1 &&
+      mcli migrate 1 "${mig_targets[1]}" --repeat=10 --via_region --region_device=0
+  } >> "$OUT/migrate.log" 2>&1
+  check "migrate between two servers (bytes, system region, cuda region)" $?
+  grep -E "median|region .* registered" "$OUT/migrate.log" >> "$LOG"
+  kill -TERM "${mig_pids[@]}" 2> /dev/null
+  wait "${mig_pids[@]}" 2> /dev/null
 fi
 
 server_pid=

@@ -69,7 +69,8 @@ class Engine::Impl {
   void Decode(DecodeWork work, DecodeDone done) { admission_->Decode(std::move(work), std::move(done)); }
   void Append(AppendWork work, AppendDone done) { admission_->Append(std::move(work), std::move(done)); }
   void ExportSequence(uint64_t id, ExportDone done);
-  void ImportSequence(uint64_t id, std::shared_ptr<const SequenceData> data, ImportDone done);
+  void ImportSequence(uint64_t id, std::shared_ptr<const SequenceSource> source, ImportDone done);
+  void ExportSequenceTo(uint64_t id, Tensor destination, ExportToDone done);
   void OffloadSequence(uint64_t id, StatusDone done);
   bool HasSequence(uint64_t id) const {
     std::lock_guard<std::mutex> lock(state_mu_);
@@ -256,18 +257,38 @@ void Engine::Impl::ExportSequence(uint64_t id, ExportDone done) {
       });
 }
 
-void Engine::Impl::ImportSequence(uint64_t id, std::shared_ptr<const SequenceData> data,
+void Engine::Impl::ImportSequence(uint64_t id, std::shared_ptr<const SequenceSource> source,
                                   ImportDone done) {
-  assert(data != nullptr && data->num_layers == options_.num_layers);
+  assert(source != nullptr && source->num_layers == options_.num_layers);
+  const int64_t length = source->length;
   admission_->Task(
-      [this, id, data]() -> absl::Status {
-        absl::StatusOr<int64_t> length = tiers_->Import(*table_, *allocator_, id, *data);
+      [this, id, source = std::move(source)]() -> absl::Status {
+        absl::StatusOr<int64_t> length = tiers_->Import(*table_, *allocator_, id, *source);
         if (length.ok()) PublishPoolLocked();
         return length.status();
       },
-      [data, done = std::move(done)](const absl::Status& s) {
+      [length, done = std::move(done)](const absl::Status& s) {
         if (s.ok()) {
-          done(data->length);
+          done(length);
+        } else {
+          done(s);
+        }
+      });
+}
+
+void Engine::Impl::ExportSequenceTo(uint64_t id, Tensor destination, ExportToDone done) {
+  auto length = std::make_shared<int64_t>(0);
+  auto dest = std::make_shared<Tensor>(std::move(destination));
+  admission_->Task(
+      [this, id, dest, length]() -> absl::Status {
+        absl::StatusOr<int64_t> n = tiers_->ExportTo(*table_, id, *dest);
+        if (!n.ok()) return n.status();
+        *length = *n;
+        return absl::OkStatus();
+      },
+      [length, done = std::move(done)](const absl::Status& s) {
+        if (s.ok()) {
+          done(*length);
         } else {
           done(s);
         }
@@ -383,7 +404,15 @@ void Engine::ExportSequence(uint64_t id, ExportDone done) {
   impl_->ExportSequence(id, std::move(done));
 }
 void Engine::ImportSequence(uint64_t id, std::shared_ptr<const SequenceData> data, ImportDone done) {
-  impl_->ImportSequence(id, std::move(data), std::move(done));
+  assert(data != nullptr);
+  impl_->ImportSequence(id, SequenceSource::Of(std::move(data)), std::move(done));
+}
+void Engine::ImportSequence(uint64_t id, std::shared_ptr<const SequenceSource> source,
+                            ImportDone done) {
+  impl_->ImportSequence(id, std::move(source), std::move(done));
+}
+void Engine::ExportSequenceTo(uint64_t id, Tensor destination, ExportToDone done) {
+  impl_->ExportSequenceTo(id, std::move(destination), std::move(done));
 }
 void Engine::OffloadSequence(uint64_t id, StatusDone done) {
   impl_->OffloadSequence(id, std::move(done));

@@ -81,6 +81,10 @@ struct ModelConfig {
   int64_t num_pages = 0;
   int32_t max_batch_size = 0;
   std::string backend;  // "cpu" or "cuda"
+  // The model's shape as the kernels and pages see it.
+  kernels::Shape shape() const {
+    return {num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_cache_dtype};
+  }
 };
 
 struct EngineStats {
@@ -116,6 +120,28 @@ struct SequenceData {
   int64_t row_bytes() const { return page_bytes / page_size; }  // one token's K (or V)
   char* k(int32_t layer) const { return bytes.get() + (2 * int64_t{layer}) * layer_bytes(); }
   char* v(int32_t layer) const { return bytes.get() + (2 * int64_t{layer} + 1) * layer_bytes(); }
+};
+
+// An import's rows as they arrived: every layer's committed tokens as spans of rows, each in
+// host memory (a copy of inline bytes) or in a client's registered memory (a region view, host
+// or device), kept alive by `holders` (host copies, region leases) for as long as the source
+// lives. The spans of a layer cover its tokens [0, length) in order with no gap or overlap,
+// layer after layer (the service checks this).
+struct SequenceSource {
+  struct Span {
+    int32_t layer = 0;
+    int64_t first_token = 0;
+    int64_t num_tokens = 0;
+    const char* k = nullptr;  // num_tokens rows as stored, packed
+    const char* v = nullptr;
+    bool on_device = false;   // k and v are device memory (a CUDA region)
+  };
+  int64_t length = 0;
+  int32_t num_layers = 0;
+  std::vector<Span> spans;
+  std::vector<std::shared_ptr<const void>> holders;
+  // The source of a whole copy: one span per layer pointing into it.
+  static std::shared_ptr<const SequenceSource> Of(std::shared_ptr<const SequenceData> data);
 };
 
 // Set by the RPC layer when the caller goes away; checked before compute.
@@ -223,6 +249,18 @@ class Engine {
   // offload_lru, after offloading what it can). The committed length on success.
   using ImportDone = std::function<void(absl::StatusOr<int64_t>)>;
   void ImportSequence(uint64_t sequence_id, std::shared_ptr<const SequenceData> data, ImportDone done);
+  // The same from rows given in pieces (host copies and region views); the source, and with it
+  // the regions' leases, is dropped once the import is applied or refused.
+  void ImportSequence(uint64_t sequence_id, std::shared_ptr<const SequenceSource> source,
+                      ImportDone done);
+  // ExportSequenceTo: the sequence's committed tokens of every layer written into `destination`
+  // (a view of a registered region, host or device memory, whose lease is held until `done`
+  // has run), layer after layer, K then V, each [length, num_kv_heads, head_dim] as stored and
+  // packed (no page padding). The committed length on success. INVALID_ARGUMENT (nothing
+  // written) when destination holds fewer than 2 * num_layers * length rows; NOT_FOUND,
+  // FAILED_PRECONDITION (mid-step) as ExportSequence.
+  using ExportToDone = std::function<void(absl::StatusOr<int64_t>)>;
+  void ExportSequenceTo(uint64_t sequence_id, Tensor destination, ExportToDone done);
   // OffloadSequence: moves an idle sequence to the host tier (OK when it is there already).
   // FAILED_PRECONDITION (no host tier, or mid-step), NOT_FOUND, RESOURCE_EXHAUSTED (host full).
   using StatusDone = std::function<void(absl::Status)>;

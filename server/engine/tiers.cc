@@ -30,6 +30,36 @@ void AppendRuns(int32_t layer, absl::Span<const int32_t> pages, char* k_base, ch
   }
 }
 
+// Runs for tokens [first, first + count) of one layer of a sequence on `pages`, whose rows lie
+// packed at k/v (row t at k + (t - first) * row_bytes): one run per stretch of consecutive
+// pages, starting mid-page and ending mid-page where the tokens do.
+void AppendTokenRuns(int32_t layer, absl::Span<const int32_t> pages, int64_t first, int64_t count,
+                     const k::Shape& model, const char* k_rows, const char* v_rows, bool on_device,
+                     std::vector<PageRun>* runs) {
+  const int64_t page_size = model.page_size;
+  const int64_t row_bytes = model.page_bytes() / page_size;
+  const int64_t end = first + count;
+  for (int64_t t = first; t < end;) {
+    const int64_t p = t / page_size;
+    const int64_t last = (end - 1) / page_size;
+    int64_t q = p;
+    while (q < last && pages[q + 1] == pages[q] + 1) ++q;
+    const int64_t stop = std::min(end, (q + 1) * page_size);
+    const int64_t skip = (t - first) * row_bytes;
+    runs->push_back(PageRun{layer, pages[p], static_cast<int32_t>(q - p + 1),
+                            const_cast<char*>(k_rows) + skip, const_cast<char*>(v_rows) + skip,
+                            (t % page_size) * row_bytes, (stop - t) * row_bytes, on_device});
+    t = stop;
+  }
+}
+
+// An export reads committed tokens only: FAILED_PRECONDITION for a sequence mid-step.
+absl::Status BetweenSteps(const SequenceTable::View& view, uint64_t id) {
+  if (view.step_tokens == 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "sequence ", id, " is mid-step (next layer ", view.next_layer, "): export between steps"));
+}
+
 }  // namespace
 
 absl::Status SequenceData::Allocate(int32_t layers, int64_t tokens, const k::Shape& model) {
@@ -44,6 +74,19 @@ absl::Status SequenceData::Allocate(int32_t layers, int64_t tokens, const k::Sha
     return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", total, " bytes for a sequence copy"));
   }
   return absl::OkStatus();
+}
+
+std::shared_ptr<const SequenceSource> SequenceSource::Of(std::shared_ptr<const SequenceData> data) {
+  auto source = std::make_shared<SequenceSource>();
+  source->length = data->length;
+  source->num_layers = data->num_layers;
+  if (data->length > 0) {
+    for (int32_t layer = 0; layer < data->num_layers; ++layer) {
+      source->spans.push_back({layer, 0, data->length, data->k(layer), data->v(layer), false});
+    }
+  }
+  source->holders.push_back(std::move(data));
+  return source;
 }
 
 absl::StatusOr<std::unique_ptr<Tiers>> Tiers::Create(const Options& options, Backend* backend,
@@ -222,10 +265,7 @@ absl::Status Tiers::PrepareItem(SequenceTable& table, BlockAllocator& allocator,
 absl::StatusOr<std::shared_ptr<const SequenceData>> Tiers::Export(SequenceTable& table, uint64_t id) {
   absl::StatusOr<SequenceTable::View> view = table.Get(id);
   if (!view.ok()) return view.status();
-  if (view->step_tokens != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "sequence ", id, " is mid-step (next layer ", view->next_layer, "): export between steps"));
-  }
+  if (absl::Status s = BetweenSteps(*view, id); !s.ok()) return s;
   auto data = std::make_shared<SequenceData>();
   if (absl::Status s = data->Allocate(options_.num_layers, view->length, options_.model); !s.ok()) return s;
   // Only the pages that hold committed tokens (a step's pages are never here: not mid-step).
@@ -250,28 +290,82 @@ absl::StatusOr<std::shared_ptr<const SequenceData>> Tiers::Export(SequenceTable&
   return data;
 }
 
+absl::StatusOr<int64_t> Tiers::ExportTo(SequenceTable& table, uint64_t id, Tensor& destination) {
+  absl::StatusOr<SequenceTable::View> view = table.Get(id);
+  if (!view.ok()) return view.status();
+  if (absl::Status s = BetweenSteps(*view, id); !s.ok()) return s;
+  const int64_t length = view->length;
+  const int64_t page_size = options_.model.page_size;
+  const int64_t page_bytes = options_.model.page_bytes();
+  const int64_t row_bytes = page_bytes / page_size;
+  const int64_t layer_bytes = length * row_bytes;
+  const int64_t needed = 2 * int64_t{options_.num_layers} * layer_bytes;
+  if (destination.size() < needed) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "destination holds ", destination.size(), " bytes; sequence ", id, " (", length,
+        " tokens x ", options_.num_layers, " layers, K and V) needs ", needed));
+  }
+  if (length == 0) return length;
+  char* const base = destination.mutable_data();
+  const auto pages = view->pages.subspan(0, (length + page_size - 1) / page_size);
+  if (view->offloaded) {
+    std::vector<MemoryCopy> copies;
+    for (int32_t layer = 0; layer < options_.num_layers; ++layer) {
+      char* const k_rows = base + 2 * int64_t{layer} * layer_bytes;
+      char* const v_rows = k_rows + layer_bytes;
+      for (size_t i = 0; i < pages.size(); ++i) {
+        const int64_t at = static_cast<int64_t>(i) * page_bytes;
+        const int64_t bytes = std::min(page_bytes, layer_bytes - at);
+        copies.push_back({k_rows + at, HostK(layer, pages[i]), bytes, destination.on_device()});
+        copies.push_back({v_rows + at, HostV(layer, pages[i]), bytes, destination.on_device()});
+      }
+    }
+    if (absl::Status s = Failed(backend_->CopyFromHost(copies)); !s.ok()) return s;
+    return length;
+  }
+  std::vector<PageRun> runs;
+  for (int32_t layer = 0; layer < options_.num_layers; ++layer) {
+    const char* const k_rows = base + 2 * int64_t{layer} * layer_bytes;
+    AppendTokenRuns(layer, pages, 0, length, options_.model, k_rows, k_rows + layer_bytes,
+                    destination.on_device(), &runs);
+  }
+  if (absl::Status s = Failed(backend_->ReadPages(runs)); !s.ok()) return s;
+  return length;
+}
+
 absl::StatusOr<int64_t> Tiers::Import(SequenceTable& table, BlockAllocator& allocator, uint64_t id,
-                                      const SequenceData& data) {
+                                      const SequenceSource& source) {
   if (table.Contains(id)) {
     return absl::AlreadyExistsError(absl::StrCat("sequence ", id, " already exists"));
   }
-  if (data.num_pages > allocator.num_free()) {
-    if (absl::Status s = MakeRoom(table, allocator, data.num_pages - allocator.num_free(), {});
+  for (const SequenceSource::Span& span : source.spans) {
+    if (span.layer < 0 || span.layer >= options_.num_layers || span.first_token < 0 ||
+        span.num_tokens < 1 || span.num_tokens > source.length - span.first_token) {
+      return absl::InternalError(absl::StrCat("import span of layer ", span.layer, " tokens [",
+                                              span.first_token, ", +", span.num_tokens,
+                                              ") outside the sequence's ", source.length));
+    }
+  }
+  const int64_t page_size = options_.model.page_size;
+  const int64_t num_pages = (source.length + page_size - 1) / page_size;
+  if (num_pages > allocator.num_free()) {
+    if (absl::Status s = MakeRoom(table, allocator, num_pages - allocator.num_free(), {});
         !s.ok()) {
       if (!absl::IsResourceExhausted(s)) return s;
-      return absl::ResourceExhaustedError(absl::StrCat("import of ", data.length, " tokens: ", s.message()));
+      return absl::ResourceExhaustedError(absl::StrCat("import of ", source.length, " tokens: ", s.message()));
     }
   }
   std::vector<int32_t> pages;
-  if (absl::Status s = table.Import(id, data.length, &pages); !s.ok()) return s;
+  if (absl::Status s = table.Import(id, source.length, &pages); !s.ok()) return s;
   std::vector<PageRun> runs;
-  for (int32_t layer = 0; layer < options_.num_layers; ++layer) {
-    AppendRuns(layer, pages, data.k(layer), data.v(layer), data.page_bytes, &runs);
+  for (const SequenceSource::Span& span : source.spans) {
+    AppendTokenRuns(span.layer, pages, span.first_token, span.num_tokens, options_.model, span.k,
+                    span.v, span.on_device, &runs);
   }
   if (!runs.empty()) {
     if (absl::Status s = Failed(backend_->WritePages(runs)); !s.ok()) return s;
   }
-  return data.length;
+  return source.length;
 }
 
 }  // namespace pagedattn

@@ -70,9 +70,11 @@ class Tiers {
                            const InFlight& batch);
 
   absl::StatusOr<std::shared_ptr<const SequenceData>> Export(SequenceTable& table, uint64_t id);
+  // Engine::ExportSequenceTo: the committed length, once written into `destination`.
+  absl::StatusOr<int64_t> ExportTo(SequenceTable& table, uint64_t id, Tensor& destination);
   // Import's batch holds nothing else, so no exclusion is needed for room.
   absl::StatusOr<int64_t> Import(SequenceTable& table, BlockAllocator& allocator, uint64_t id,
-                                 const SequenceData& data);
+                                 const SequenceSource& source);
 
  private:
   Tiers(const Options& options, Backend* backend, Metrics* metrics, char* host_memory,

@@ -35,7 +35,7 @@ absl::Status ImportAssembler::CheckPages(const v1::ImportSequenceChunk& chunk) c
 }
 
 absl::Status ImportAssembler::Add(const v1::ImportSequenceChunk& chunk) {
-  if (data_ == nullptr) {
+  if (source_ == nullptr) {
     if (!chunk.has_sequence_id() || !chunk.has_length()) {
       return absl::InvalidArgumentError("the first chunk must carry sequence_id and length");
     }
@@ -47,30 +47,26 @@ absl::Status ImportAssembler::Add(const v1::ImportSequenceChunk& chunk) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "length ", chunk.length(), " is above the pool's capacity of ", capacity, " tokens"));
     }
-    auto data = std::make_shared<SequenceData>();
     if (absl::Status s = CheckPages(chunk); !s.ok()) return s;
-    const kernels::Shape model{config_.num_qo_heads, config_.num_kv_heads, config_.head_dim,
-                               config_.page_size,    config_.dtype,        config_.kv_cache_dtype};
-    if (absl::Status s = data->Allocate(config_.num_layers, chunk.length(), model); !s.ok()) {
-      return s;
-    }
-    data_ = std::move(data);
+    auto source = std::make_shared<SequenceSource>();
+    source->length = chunk.length();
+    source->num_layers = config_.num_layers;
+    source_ = std::move(source);
     sequence_id_ = chunk.sequence_id();
   } else {
     if (chunk.has_sequence_id() && chunk.sequence_id() != sequence_id_) {
       return absl::InvalidArgumentError(absl::StrCat("sequence_id changed from ", sequence_id_,
                                                      " to ", chunk.sequence_id()));
     }
-    if (chunk.has_length() && chunk.length() != data_->length) {
+    if (chunk.has_length() && chunk.length() != source_->length) {
       return absl::InvalidArgumentError(
-          absl::StrCat("length changed from ", data_->length, " to ", chunk.length()));
+          absl::StrCat("length changed from ", source_->length, " to ", chunk.length()));
     }
   }
-  const int64_t length = data_->length;
-  const int64_t row_bytes = data_->row_bytes();
+  const int64_t length = source_->length;
   if (length == 0) {
-    if (chunk.num_tokens() != 0 || !chunk.k().empty() || !chunk.v().empty() || chunk.layer() != 0 ||
-        chunk.first_token() != 0) {
+    if (chunk.num_tokens() != 0 || !chunk.k().empty() || !chunk.v().empty() ||
+        chunk.has_k_ref() || chunk.has_v_ref() || chunk.layer() != 0 || chunk.first_token() != 0) {
       return absl::InvalidArgumentError("a sequence of length 0 is one chunk without tokens");
     }
     return absl::OkStatus();
@@ -103,30 +99,96 @@ absl::Status ImportAssembler::Add(const v1::ImportSequenceChunk& chunk) {
     return absl::InvalidArgumentError(absl::StrCat("chunk of layer ", layer, " tokens [", first, ", ",
                                                    first + chunk.num_tokens(), ") past length ", length));
   }
-  const int64_t bytes = chunk.num_tokens() * row_bytes;
-  if (static_cast<int64_t>(chunk.k().size()) != bytes ||
-      static_cast<int64_t>(chunk.v().size()) != bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("k and v must be ", bytes, " bytes each (",
-                                                   chunk.num_tokens(), " tokens), got ",
-                                                   chunk.k().size(), " and ", chunk.v().size()));
-  }
-  std::memcpy(data_->k(layer) + first * row_bytes, chunk.k().data(), bytes);
-  std::memcpy(data_->v(layer) + first * row_bytes, chunk.v().data(), bytes);
+  if (absl::Status s = TakeRows(chunk, layer, first); !s.ok()) return s;
   layer_ = layer;
   next_token_ = first + chunk.num_tokens();
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<const SequenceData>> ImportAssembler::Finish() {
-  if (data_ == nullptr) return absl::InvalidArgumentError("the import stream carried no chunk");
-  if (data_->length > 0 && (layer_ != config_.num_layers - 1 || next_token_ != data_->length)) {
-    const bool layer_done = next_token_ == data_->length;
+absl::Status ImportAssembler::TakeRows(const v1::ImportSequenceChunk& chunk, int32_t layer,
+                                       int64_t first) {
+  const kernels::Shape model = config_.shape();
+  const int64_t row_bytes = model.kv_token_bytes();
+  const int64_t n = chunk.num_tokens();
+  const int64_t bytes = n * row_bytes;
+  if (chunk.has_k_ref() || chunk.has_v_ref()) {
+    if (!chunk.has_k_ref() || !chunk.has_v_ref()) {
+      return absl::InvalidArgumentError("k_ref and v_ref come together (or k and v inline)");
+    }
+    if (!chunk.k().empty() || !chunk.v().empty()) {
+      return absl::InvalidArgumentError("k and v are given both inline and by reference (k_ref, v_ref)");
+    }
+    if (regions_ == nullptr) {
+      return absl::NotFoundError(absl::StrCat("k_ref: memory region \"", chunk.k_ref().region(),
+                                              "\" not found (no regions on this edge)"));
+    }
+    ResolvedTensor resolved[2];
+    const v1::TensorRef* refs[2] = {&chunk.k_ref(), &chunk.v_ref()};
+    for (int i = 0; i < 2; ++i) {
+      absl::StatusOr<ResolvedTensor> r = regions_->Resolve(refs[i]->region(), refs[i]->offset(),
+                                                           refs[i]->byte_size(), static_cast<uint64_t>(bytes));
+      if (!r.ok()) {
+        return absl::Status(r.status().code(), absl::StrCat(i == 0 ? "k_ref: " : "v_ref: ",
+                                                            r.status().message(), " (", n,
+                                                            " rows of ", row_bytes, " bytes)"));
+      }
+      resolved[i] = *std::move(r);
+    }
+    if (resolved[0].view.kind != resolved[1].view.kind) {
+      return absl::InvalidArgumentError("k_ref and v_ref must lie in regions of one kind (system or cuda)");
+    }
+    for (ResolvedTensor& r : resolved) {
+      std::shared_ptr<const void> holder = r.lease.shared();
+      if (source_->holders.empty() || source_->holders.back() != holder) {
+        source_->holders.push_back(std::move(holder));
+      }
+    }
+    source_->spans.push_back({layer, first, n, resolved[0].view.data, resolved[1].view.data,
+                              resolved[0].view.kind == MemoryKind::kDevice});
+    last_span_inline_ = false;
+    return absl::OkStatus();
+  }
+  if (static_cast<int64_t>(chunk.k().size()) != bytes ||
+      static_cast<int64_t>(chunk.v().size()) != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("k and v must be ", bytes, " bytes each (", n,
+                                                   " tokens), got ", chunk.k().size(), " and ",
+                                                   chunk.v().size()));
+  }
+  if (copy_ == nullptr) {
+    auto copy = std::make_shared<SequenceData>();
+    if (absl::Status s = copy->Allocate(config_.num_layers, source_->length, model); !s.ok()) {
+      return s;
+    }
+    copy_ = std::move(copy);
+    source_->holders.push_back(copy_);
+  }
+  char* const k = copy_->k(layer) + first * row_bytes;
+  char* const v = copy_->v(layer) + first * row_bytes;
+  std::memcpy(k, chunk.k().data(), bytes);
+  std::memcpy(v, chunk.v().data(), bytes);
+  SequenceSource::Span* last = source_->spans.empty() ? nullptr : &source_->spans.back();
+  if (last_span_inline_ && last->layer == layer && last->first_token + last->num_tokens == first) {
+    last->num_tokens += n;  // one span (and one copy per page run) for consecutive inline chunks
+  } else {
+    source_->spans.push_back({layer, first, n, k, v, false});
+  }
+  last_span_inline_ = true;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const SequenceSource>> ImportAssembler::Finish() {
+  if (source_ == nullptr) return absl::InvalidArgumentError("the import stream carried no chunk");
+  const int64_t length = source_->length;
+  if (length > 0 && (layer_ != config_.num_layers - 1 || next_token_ != length)) {
+    const bool layer_done = next_token_ == length;
     return absl::InvalidArgumentError(absl::StrCat(
         "the import stream ended early: layer ", layer_done ? layer_ + 1 : layer_, " token ",
-        layer_done ? 0 : next_token_, " of ", data_->length, " tokens x ", config_.num_layers,
+        layer_done ? 0 : next_token_, " of ", length, " tokens x ", config_.num_layers,
         " layers was next"));
   }
-  return std::shared_ptr<const SequenceData>(data_);
+  // The source (and the leases in it) belongs to the import from here on.
+  copy_.reset();
+  return std::shared_ptr<const SequenceSource>(std::move(source_));
 }
 
 }  // namespace pagedattn

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "pagedattn/kernels/shape.h"
+#include "server/memory/memory_registry.h"
 #include "server/metrics/metrics.h"
 #include "server/service/call_counter.h"
 #include "server/service/status.h"
@@ -13,17 +14,49 @@ namespace pagedattn {
 
 namespace k = kernels;
 
-ExportReactor::ExportReactor(Engine* engine, uint64_t sequence_id, Metrics* metrics,
-                             CallCounter* calls)
+ExportReactor::ExportReactor(Engine* engine, const v1::ExportSequenceRequest& request,
+                             Metrics* metrics, CallCounter* calls)
     : metrics_(metrics),
       calls_(calls),
       start_(absl::Now()),
-      sequence_id_(sequence_id),
-      config_(engine->config()) {
+      sequence_id_(request.sequence_id()),
+      config_(engine->config()),
+      by_ref_(request.has_destination()),
+      destination_(request.destination()) {
   calls_->Begin();
-  engine->ExportSequence(sequence_id, [this](absl::StatusOr<std::shared_ptr<const SequenceData>> d) {
-    OnData(std::move(d));
-  });
+  if (!by_ref_) {
+    engine->ExportSequence(sequence_id_,
+                           [this](absl::StatusOr<std::shared_ptr<const SequenceData>> d) {
+                             OnData(std::move(d));
+                           });
+    return;
+  }
+  // Any size fits the reference's own check; the engine checks it against the sequence.
+  const v1::TensorRef& d = destination_;
+  absl::StatusOr<ResolvedTensor> resolved =
+      engine->regions()->Resolve(d.region(), d.offset(), d.byte_size(), d.byte_size());
+  if (!resolved.ok()) {
+    FinishWith(absl::Status(resolved.status().code(),
+                            absl::StrCat("destination: ", resolved.status().message())));
+    return;
+  }
+  const TensorView& view = resolved->view;
+  engine->ExportSequenceTo(
+      sequence_id_,
+      Tensor::View(view.data, view.bytes, view.kind == MemoryKind::kDevice, std::move(resolved->lease)),
+      [this](absl::StatusOr<int64_t> length) { OnWritten(std::move(length)); });
+}
+
+void ExportReactor::OnWritten(absl::StatusOr<int64_t> length) {
+  if (!length.ok()) {
+    FinishWith(length.status());
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    length_ = *length;
+  }
+  WriteNext();
 }
 
 void ExportReactor::OnData(absl::StatusOr<std::shared_ptr<const SequenceData>> data) {
@@ -34,6 +67,7 @@ void ExportReactor::OnData(absl::StatusOr<std::shared_ptr<const SequenceData>> d
   {
     std::lock_guard<std::mutex> lock(mu_);
     data_ = *std::move(data);
+    length_ = data_->length;
   }
   WriteNext();
 }
@@ -60,7 +94,7 @@ void ExportReactor::WriteNext() {
 }
 
 bool ExportReactor::NextChunkLocked() {
-  const int64_t length = data_->length;
+  const int64_t length = length_;
   chunk_.Clear();
   chunk_.set_sequence_id(sequence_id_);
   chunk_.set_length(length);
@@ -84,15 +118,28 @@ bool ExportReactor::NextChunkLocked() {
     ++layer_;
     next_token_ = 0;
   }
-  if (layer_ >= data_->num_layers) return false;
-  const int64_t per_chunk = std::max<int64_t>(1, kExportChunkBytes / (2 * data_->row_bytes()));
+  if (layer_ >= config_.num_layers) return false;
+  const int64_t row = config_.shape().kv_token_bytes();
+  const int64_t per_chunk =
+      by_ref_ ? kExportRefChunkTokens : std::max<int64_t>(1, kExportChunkBytes / (2 * row));
   const int64_t n = std::min<int64_t>(per_chunk, length - next_token_);
   chunk_.set_layer(layer_);
   chunk_.set_first_token(next_token_);
   chunk_.set_num_tokens(static_cast<int32_t>(n));
-  const int64_t row = data_->row_bytes();
-  chunk_.set_k(data_->k(layer_) + next_token_ * row, n * row);
-  chunk_.set_v(data_->v(layer_) + next_token_ * row, n * row);
+  if (by_ref_) {
+    // The destination's layout: layer after layer, K then V, each `length` rows.
+    const uint64_t k_at =
+        destination_.offset() + static_cast<uint64_t>((2 * int64_t{layer_} * length + next_token_) * row);
+    const uint64_t v_at = k_at + static_cast<uint64_t>(length * row);
+    for (auto [ref, at] : {std::pair{chunk_.mutable_k_ref(), k_at}, std::pair{chunk_.mutable_v_ref(), v_at}}) {
+      ref->set_region(destination_.region());
+      ref->set_offset(at);
+      ref->set_byte_size(static_cast<uint64_t>(n * row));
+    }
+  } else {
+    chunk_.set_k(data_->k(layer_) + next_token_ * row, n * row);
+    chunk_.set_v(data_->v(layer_) + next_token_ * row, n * row);
+  }
   next_token_ += n;
   return true;
 }
@@ -120,14 +167,14 @@ ImportReactor::ImportReactor(grpc::CallbackServerContext* context, Engine* engin
       metrics_(metrics),
       calls_(calls),
       start_(absl::Now()),
-      assembler_(config) {
+      assembler_(config, engine->regions()) {
   calls_->Begin();
   StartRead(&chunk_);
 }
 
 void ImportReactor::OnReadDone(bool ok) {
   absl::Status refused;
-  absl::StatusOr<std::shared_ptr<const SequenceData>> data;
+  absl::StatusOr<std::shared_ptr<const SequenceSource>> data;
   uint64_t id = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -1,10 +1,12 @@
 // The reactors of ExportSequence (server streaming) and ImportSequence (client streaming).
 //
 // ExportReactor asks the engine for a copy of the sequence (Engine::ExportSequence) and writes
-// it as chunks of at most kExportChunkTokens tokens of one layer, layer by layer, one write at
-// a time. ImportReactor checks each chunk as it is read
-// (ImportAssembler), refuses an id in use at the first chunk, and once the client half-closes
-// hands the copy to Engine::ImportSequence. An error, a cancel or a client that goes away
+// it as chunks of at most kExportChunkBytes of one layer, layer by layer, one write at a time;
+// with a destination region it has the engine write the rows there (Engine::ExportSequenceTo,
+// the region's lease held by the engine's work until written) and sends one chunk per layer
+// naming them (k_ref, v_ref). ImportReactor checks each chunk as it is read (ImportAssembler:
+// inline rows copied, referenced rows resolved and leased), refuses an id in use at the first
+// chunk, and once the client half-closes hands the rows to Engine::ImportSequence. An error, a cancel or a client that goes away
 // finishes the call; nothing reaches the engine before the whole stream arrived, so nothing is
 // left behind.
 //
@@ -39,16 +41,22 @@ class Metrics;
 // message under gRPC's default 4 MiB receive limit, so a client with default limits can read
 // it, and large enough that the per-message cost stays small next to the copy.
 inline constexpr int64_t kExportChunkBytes = int64_t{2} << 20;
+// Tokens per chunk of an export into a region, at most: a layer is one chunk unless longer
+// (num_tokens is an int32).
+inline constexpr int64_t kExportRefChunkTokens = int64_t{1} << 30;
 
 class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceChunk> {
  public:
-  // Starts the export at once. engine and calls outlive the reactor; metrics may be null.
-  ExportReactor(Engine* engine, uint64_t sequence_id, Metrics* metrics, CallCounter* calls);
+  // Starts the export at once (a destination is resolved in engine->regions() first). engine
+  // and calls outlive the reactor; metrics may be null.
+  ExportReactor(Engine* engine, const v1::ExportSequenceRequest& request, Metrics* metrics,
+                CallCounter* calls);
   void OnWriteDone(bool ok) override;
   void OnDone() override;
 
  private:
   void OnData(absl::StatusOr<std::shared_ptr<const SequenceData>> data);
+  void OnWritten(absl::StatusOr<int64_t> length);
   // Writes the next chunk, or finishes OK after the last.
   void WriteNext();
   // Fills chunk_ with the next chunk; false after the last.
@@ -59,18 +67,22 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceCh
   CallCounter* const calls_;
   const absl::Time start_;
   const uint64_t sequence_id_;
+  const ModelConfig config_;    // the pages' type and scales
+  const bool by_ref_;            // an export into the request's destination
+  const v1::TensorRef destination_;
   std::mutex mu_;
-  std::shared_ptr<const SequenceData> data_;  // guarded by mu_, as are the four below
+  std::shared_ptr<const SequenceData> data_;  // guarded by mu_, as are the fields below
+  int64_t length_ = 0;          // the sequence's committed tokens
   int32_t layer_ = 0;
   int64_t next_token_ = 0;
   bool empty_written_ = false;  // the one chunk of a sequence of length 0
   bool first_ = true;           // the next chunk is the first
   v1::ExportSequenceChunk chunk_;
-  const ModelConfig config_;    // the pages' type and scales
 };
 
 class ImportReactor final : public grpc::ServerReadReactor<v1::ImportSequenceChunk> {
  public:
+  // Referenced rows are resolved in engine->regions().
   ImportReactor(grpc::CallbackServerContext* context, Engine* engine, const ModelConfig& config,
                 v1::ImportSequenceResponse* response, Metrics* metrics, CallCounter* calls);
   void OnReadDone(bool ok) override;

@@ -351,3 +351,60 @@ TEST(CpuBackendSetupTest, CreateAndInitValidate) {
 
 }  // namespace
 }  // namespace pagedattn
+
+namespace pagedattn {
+namespace {
+
+// Page runs that copy part of their pages (rows of a region, packed, starting mid-page): a
+// write of rows [10, 150) of three consecutive pages reads back the same bytes and leaves the
+// rest of the pages as they were; malformed parts, device memory, and host copies into device
+// memory are INTERNAL before any byte moves.
+TEST(CpuBackendPagesTest, PartialRunsCopyExactlyTheirRows) {
+  namespace k = kernels;
+  auto backend = CpuBackend::Create({.num_threads = 1});
+  ASSERT_TRUE(backend.ok());
+  ASSERT_TRUE((*backend)->Init({.num_layers = 2, .num_pages = 8, .max_batch_size = 2}).ok());
+  std::mt19937_64 rng(3);
+  const int64_t pool_layer = 8 * k::kPageBytes;
+  auto original = (*backend)->AllocateHostMemory(2 * pool_layer);
+  ASSERT_TRUE(original.ok());
+  const std::vector<uint16_t> random = testing::RandomBf16(pool_layer, rng);
+  std::memcpy(*original, random.data(), 2 * pool_layer);
+  // Layer 1, pages 2..7 filled with known bytes.
+  ASSERT_TRUE((*backend)->WritePages({{1, 2, 6, *original, *original + pool_layer / 2}}).ok());
+  const int64_t row = k::kTokenBytes;
+  std::vector<char> k_rows(140 * row), v_rows(140 * row);
+  for (char& c : k_rows) c = static_cast<char>(rng());
+  for (char& c : v_rows) c = static_cast<char>(rng());
+  const PageRun part{1, 3, 3, k_rows.data(), v_rows.data(), 10 * row, 140 * row};
+  ASSERT_TRUE((*backend)->WritePages({part}).ok());
+  std::vector<char> k_back(6 * k::kPageBytes), v_back(6 * k::kPageBytes);
+  ASSERT_TRUE((*backend)->ReadPages({{1, 2, 6, k_back.data(), v_back.data()}}).ok());
+  std::vector<char> k_want(*original, *original + 6 * k::kPageBytes);
+  std::memcpy(k_want.data() + k::kPageBytes + 10 * row, k_rows.data(), k_rows.size());
+  EXPECT_TRUE(k_back == k_want);
+  std::vector<char> v_want(*original + pool_layer / 2, *original + pool_layer / 2 + 6 * k::kPageBytes);
+  std::memcpy(v_want.data() + k::kPageBytes + 10 * row, v_rows.data(), v_rows.size());
+  EXPECT_TRUE(v_back == v_want);
+  std::vector<char> k_part(140 * row), v_part(140 * row);
+  ASSERT_TRUE((*backend)->ReadPages({{1, 3, 3, k_part.data(), v_part.data(), 10 * row, 140 * row}}).ok());
+  EXPECT_TRUE(k_part == k_rows && v_part == v_rows);
+
+  for (const PageRun& bad : std::vector<PageRun>{
+           {1, 3, 3, k_part.data(), v_part.data(), k::kPageBytes, row},      // offset past a page
+           {1, 3, 3, k_part.data(), v_part.data(), 10 * row, 3 * k::kPageBytes},  // past the run
+           {1, 3, 3, k_part.data(), v_part.data(), 16, 0},                   // offset, whole pages
+           {1, 3, 3, k_part.data(), v_part.data(), 0, row, /*on_device=*/true}}) {
+    EXPECT_TRUE(absl::IsInternal((*backend)->WritePages({bad})));
+    EXPECT_TRUE(absl::IsInternal((*backend)->ReadPages({bad})));
+  }
+  ASSERT_TRUE((*backend)->ReadPages({{1, 2, 6, k_back.data(), v_back.data()}}).ok());
+  EXPECT_TRUE(k_back == k_want) << "a refused run wrote";
+  char host[32] = {};
+  EXPECT_TRUE(absl::IsInternal((*backend)->CopyFromHost({{host, host + 16, 16, /*dst_on_device=*/true}})));
+  ASSERT_TRUE((*backend)->CopyFromHost({{host, k_rows.data(), 32, false}}).ok());
+  EXPECT_EQ(std::memcmp(host, k_rows.data(), 32), 0);
+}
+
+}  // namespace
+}  // namespace pagedattn

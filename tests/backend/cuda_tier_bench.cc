@@ -6,8 +6,16 @@
 //     of the same Decode on the resident sequence), and ExportSequence / ImportSequence in
 //     process (no gRPC);
 //   - baseline: one cudaMemcpy of all the bytes each way between pinned host memory and a
-//     device buffer.
-// usage: pagedattn_cuda_tier_bench [tokens=32768] [layers=1] [reps=20]
+//     device buffer;
+//   - migration between two engines (in process, no gRPC; the importer on `importer_device`,
+//     a peer of device 0 when not 0): by bytes (ExportSequence into a host copy, then
+//     ImportSequence from it, as the RPCs carry them), through a system region (pinned host
+//     memory, as the registry pins a shared-memory object on this backend) and through a cuda
+//     region (device memory on device 0, as a client's cudaIpc allocation): ExportSequenceTo
+//     then ImportSequence from the region, one span per layer. Each is printed as a multiple of
+//     the pinned copy time of its bytes one way (the D2H baseline) and of a round trip through
+//     pinned host memory (D2H + H2D), the least a migration through host memory moves.
+// usage: pagedattn_cuda_tier_bench [tokens=32768] [layers=1] [reps=20] [importer_device=0]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -74,6 +82,7 @@ int Main(int argc, char** argv) {
   const int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 32768;
   const int32_t layers = argc > 2 ? std::atoi(argv[2]) : 1;
   const int reps = argc > 3 ? std::atoi(argv[3]) : 20;
+  const int32_t importer_device = argc > 4 ? std::atoi(argv[4]) : 0;
   if (CudaDeviceCount() == 0) {
     std::fprintf(stderr, "no CUDA device of compute capability 9.0\n");
     return 77;
@@ -84,7 +93,7 @@ int Main(int argc, char** argv) {
               static_cast<long long>(tokens), layers, pages, bytes / 1048576.0);
 
   // Baseline: one pinned copy of all the bytes each way.
-  double h2d_gbps = 0, d2h_gbps = 0;
+  double h2d_gbps = 0, d2h_gbps = 0, h2d_seconds = 0, d2h_seconds = 0;
   {
     char* host = nullptr;
     char* dev = nullptr;
@@ -95,6 +104,8 @@ int Main(int argc, char** argv) {
     const double d2h = Seconds([&] { CHECK_CUDA(cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost)); }, reps);
     h2d_gbps = bytes / h2d / 1e9;
     d2h_gbps = bytes / d2h / 1e9;
+    h2d_seconds = h2d;
+    d2h_seconds = d2h;
     Print("pinned cudaMemcpy H2D", bytes, h2d, 0);
     Print("pinned cudaMemcpy D2H", bytes, d2h, 0);
     CHECK_CUDA(cudaFree(dev));
@@ -173,6 +184,87 @@ int Main(int argc, char** argv) {
             CHECK_OK(testing::ImportSync(**to, next, data));
             CHECK_OK((*to)->ReleaseSequence(next++));
           }, reps), h2d_gbps);
+  }
+
+  // Migration of the sequence between two engines: by bytes, through a system region, through
+  // a cuda region.
+  {
+    int devices = 0;
+    CHECK_CUDA(cudaGetDeviceCount(&devices));
+    if (importer_device < 0 || importer_device >= devices) {
+      std::fprintf(stderr, "importer_device %d: %d devices here\n", importer_device, devices);
+      return 1;
+    }
+    if (importer_device != 0) {
+      // As the server opens a peer's IPC allocation (cudaIpcMemLazyEnablePeerAccess).
+      CHECK_CUDA(cudaSetDevice(importer_device));
+      const cudaError_t e = cudaDeviceEnablePeerAccess(0, 0);
+      if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) CHECK_CUDA(e);
+      cudaGetLastError();
+      CHECK_CUDA(cudaSetDevice(0));
+    }
+    auto from_backend = CudaBackend::Create({});
+    auto to_backend = CudaBackend::Create({.device = importer_device});
+    CHECK_OK(from_backend);
+    CHECK_OK(to_backend);
+    auto from = Engine::Create({.num_layers = layers, .num_pages = pages + 8}, std::move(*from_backend), nullptr);
+    auto to = Engine::Create({.num_layers = layers, .num_pages = pages + 8}, std::move(*to_backend), nullptr);
+    CHECK_OK(from);
+    CHECK_OK(to);
+    std::mt19937_64 rng(2);
+    CHECK_OK((*from)->CreateSequence(1));
+    for (int32_t layer = 0; layer < layers; ++layer) {
+      AppendWork w;
+      w.sequence_id = 1;
+      w.layer = layer;
+      w.num_tokens = static_cast<int32_t>(tokens);
+      w.k = testing::ToBytes(testing::RandomBf16(tokens * k::kTokenElems, rng));
+      w.v = testing::ToBytes(testing::RandomBf16(tokens * k::kTokenElems, rng));
+      CHECK_OK(testing::AppendSync(**from, std::move(w)));
+    }
+    const int64_t moved = 2 * int64_t{layers} * tokens * k::kTokenBytes;  // the rows, no padding
+    const double one_way = d2h_seconds * moved / bytes;
+    const double round_trip = (d2h_seconds + h2d_seconds) * moved / bytes;
+    std::printf("migration of %.1f MiB (importer on device %d); pinned copy of the bytes: %.3f ms "
+                "one way, %.3f ms D2H + H2D\n",
+                moved / 1048576.0, importer_device, one_way * 1e3, round_trip * 1e3);
+    uint64_t next = 1000;
+    const auto report = [&](const char* what, double seconds) {
+      std::printf("%-28s %8.1f MiB %9.3f ms %7.2f GB/s  %5.2fx one way, %5.2fx D2H + H2D\n", what,
+                  moved / 1048576.0, seconds * 1e3, moved / seconds / 1e9, seconds / one_way,
+                  seconds / round_trip);
+    };
+    report("migrate by bytes", Seconds([&] {
+             auto d = testing::ExportSync(**from, 1);
+             CHECK_OK(d);
+             CHECK_OK(testing::ImportSync(**to, next, *d));
+             CHECK_OK((*to)->ReleaseSequence(next++));
+           }, reps));
+    // One span per layer: K rows then V rows, as ExportSequenceTo lays them out.
+    const auto through = [&](char* region, bool on_device) {
+      auto source = std::make_shared<SequenceSource>();
+      source->length = tokens;
+      source->num_layers = layers;
+      for (int32_t layer = 0; layer < layers; ++layer) {
+        const char* k_rows = region + 2 * int64_t{layer} * tokens * k::kTokenBytes;
+        source->spans.push_back({layer, 0, tokens, k_rows, k_rows + tokens * k::kTokenBytes, on_device});
+      }
+      return Seconds([&] {
+        CHECK_OK(testing::ExportToSync(**from, 1, Tensor::View(region, moved, on_device, RegionLease())));
+        CHECK_OK(testing::ImportSync(**to, next, source));
+        CHECK_OK((*to)->ReleaseSequence(next++));
+      }, reps);
+    };
+    std::unique_ptr<char[]> system(new char[moved]);
+    std::memset(system.get(), 0, moved);
+    CHECK_CUDA(cudaHostRegister(system.get(), moved, cudaHostRegisterPortable));
+    report("migrate via system region", through(system.get(), false));
+    CHECK_CUDA(cudaHostUnregister(system.get()));
+    char* device = nullptr;
+    CHECK_CUDA(cudaSetDevice(0));
+    CHECK_CUDA(cudaMalloc(&device, moved));
+    report("migrate via cuda region", through(device, true));
+    CHECK_CUDA(cudaFree(device));
   }
   return 0;
 }

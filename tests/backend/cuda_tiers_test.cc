@@ -1,11 +1,16 @@
 // The CUDA backend's page transfers (ReadPages / WritePages, pinned host memory): a round trip
-// of random pages bitwise, in runs and single pages over several layers; and the engine's
-// offload -> restore and export -> import on the CUDA backend, bitwise (tier_checks.h, the
-// checks the CPU backend passes in the unit suite). Needs a GPU of compute capability 9.0;
-// skips without one.
+// of random pages bitwise, in runs and single pages over several layers, and partial runs into
+// device memory; and the engine's offload -> restore, export -> import, and export into a
+// region -> import from it (device memory as a cuda region is, pinned host memory as a system
+// region is on this backend, and pageable host memory) on the CUDA backend, bitwise
+// (tier_checks.h, the checks the CPU backend passes in the unit suite). Needs a GPU of compute
+// capability 9.0; skips without one.
+#include <cuda_runtime.h>
+
 #include <cstring>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -61,6 +66,45 @@ TEST(CudaTiersTest, PagesRoundTripBitwise) {
   EXPECT_TRUE(absl::IsInternal((*backend)->ReadPages(bad)));
 }
 
+// Page runs whose other side is device memory (a client's CUDA region), copying part of their
+// pages from mid-page: device-to-device, bitwise, nothing else written.
+TEST(CudaTiersTest, PartialRunsToAndFromDeviceMemoryAreBitwise) {
+  SKIP_WITHOUT_DEVICE();
+  auto backend = CudaBackend::Create({});
+  ASSERT_TRUE(backend.ok());
+  ASSERT_TRUE((*backend)->Init({.num_layers = 2, .num_pages = 16, .max_batch_size = 4}).ok());
+  const int64_t row = k::kTokenBytes;
+  const int64_t bytes = 2 * 140 * row;
+  char* region = nullptr;
+  ASSERT_EQ(cudaMalloc(&region, 2 * bytes), cudaSuccess);
+  std::mt19937_64 rng(9);
+  std::string rows(bytes, '\0'), noise(2 * bytes, '\0');
+  for (char& c : rows) c = static_cast<char>(rng());
+  for (char& c : noise) c = static_cast<char>(rng());
+  ASSERT_EQ(cudaMemcpy(region, rows.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  // Rows [10, 150) of layer 1's pages 3..5: K from region, V after it.
+  const PageRun in{1, 3, 3, region, region + 140 * row, 10 * row, 140 * row, /*on_device=*/true};
+  ASSERT_TRUE((*backend)->WritePages({in}).ok());
+  ASSERT_EQ(cudaMemcpy(region, noise.data(), 2 * bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  const PageRun out{1, 3, 3, region + 16, region + 16 + 140 * row, 10 * row, 140 * row, true};
+  ASSERT_TRUE((*backend)->ReadPages({out}).ok());
+  std::string back(2 * bytes, '\0');
+  ASSERT_EQ(cudaMemcpy(back.data(), region, 2 * bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_TRUE(back.substr(16, bytes) == rows);
+  EXPECT_TRUE(back.substr(0, 16) == noise.substr(0, 16));
+  EXPECT_TRUE(back.substr(16 + bytes) == noise.substr(16 + bytes));
+  // The same rows through pinned host memory.
+  auto host = (*backend)->AllocateHostMemory(bytes);
+  ASSERT_TRUE(host.ok());
+  ASSERT_TRUE((*backend)->ReadPages({{1, 3, 3, *host, *host + 140 * row, 10 * row, 140 * row}}).ok());
+  EXPECT_EQ(std::memcmp(*host, rows.data(), bytes), 0);
+  // Host copies into device memory (an export of an offloaded sequence into a cuda region).
+  ASSERT_TRUE((*backend)->CopyFromHost({{region, *host, bytes, /*dst_on_device=*/true}}).ok());
+  ASSERT_EQ(cudaMemcpy(back.data(), region, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_TRUE(back.substr(0, bytes) == rows);
+  EXPECT_EQ(cudaFree(region), cudaSuccess);
+}
+
 TEST(CudaTiersTest, OffloadThenRestoreGivesBitwiseEqualDecodes) {
   SKIP_WITHOUT_DEVICE();
   testing::CheckOffloadRestoreIsBitwise(MakeCuda);
@@ -69,6 +113,52 @@ TEST(CudaTiersTest, OffloadThenRestoreGivesBitwiseEqualDecodes) {
 TEST(CudaTiersTest, ExportThenImportGivesBitwiseEqualDecodes) {
   SKIP_WITHOUT_DEVICE();
   testing::CheckExportImportIsBitwise(MakeCuda);
+}
+
+// Export into a region and import from it (tier_checks.h) with the region in device memory (a
+// cuda region: device-to-device copies), pinned host memory (a system region, which the
+// registry pins on this backend), and pageable host memory (the runtime stages it).
+testing::RegionMemory DeviceMemory(int64_t bytes) {
+  char* p = nullptr;
+  EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess);
+  return {p, bytes, true,
+          [p](int64_t at, int64_t n) {
+            std::string out(n, '\0');
+            EXPECT_EQ(cudaMemcpy(out.data(), p + at, n, cudaMemcpyDeviceToHost), cudaSuccess);
+            return out;
+          },
+          [p](int64_t at, const std::string& b) {
+            EXPECT_EQ(cudaMemcpy(p + at, b.data(), b.size(), cudaMemcpyHostToDevice), cudaSuccess);
+          }};
+}
+
+testing::RegionMemory HostMemory(char* p, int64_t bytes) {
+  return {p, bytes, false, [p](int64_t at, int64_t n) { return std::string(p + at, n); },
+          [p](int64_t at, const std::string& b) { std::memcpy(p + at, b.data(), b.size()); }};
+}
+
+TEST(CudaTiersTest, ExportIntoDeviceRegionAndImportBackAreBitwise) {
+  SKIP_WITHOUT_DEVICE();
+  constexpr int64_t kBytes = 4 << 20;
+  testing::RegionMemory memory = DeviceMemory(kBytes);
+  testing::CheckRegionExportImportIsBitwise(MakeCuda, memory);
+  EXPECT_EQ(cudaFree(memory.data), cudaSuccess);
+}
+
+TEST(CudaTiersTest, ExportIntoPinnedHostRegionAndImportBackAreBitwise) {
+  SKIP_WITHOUT_DEVICE();
+  constexpr int64_t kBytes = 4 << 20;
+  std::vector<char> host(kBytes);
+  ASSERT_EQ(cudaHostRegister(host.data(), kBytes, cudaHostRegisterPortable), cudaSuccess);
+  testing::CheckRegionExportImportIsBitwise(MakeCuda, HostMemory(host.data(), kBytes));
+  EXPECT_EQ(cudaHostUnregister(host.data()), cudaSuccess);
+}
+
+TEST(CudaTiersTest, ExportIntoPageableHostMemoryAndImportBackAreBitwise) {
+  SKIP_WITHOUT_DEVICE();
+  constexpr int64_t kBytes = 4 << 20;
+  std::vector<char> host(kBytes);
+  testing::CheckRegionExportImportIsBitwise(MakeCuda, HostMemory(host.data(), kBytes));
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // The engine's KV tiers on the CPU backend: the shared checks of tier_checks.h (the GPU suite
 // runs them on the CUDA backend), and the sequence table's tier bookkeeping: links of shared
 // pages across tiers, the lru plan, all-or-nothing failures.
+#include <cstring>
 #include <map>
 #include <memory>
 #include <random>
@@ -28,6 +29,14 @@ TEST(EngineTiersTest, OffloadThenRestoreGivesBitwiseEqualDecodes) {
 
 TEST(EngineTiersTest, ExportThenImportGivesBitwiseEqualDecodes) {
   testing::CheckExportImportIsBitwise(MakeCpu);
+}
+
+TEST(EngineTiersTest, ExportIntoRegionAndImportFromSpansAreBitwise) {
+  std::vector<char> host(4 << 20);
+  testing::RegionMemory memory{host.data(), static_cast<int64_t>(host.size()), false,
+                               [&](int64_t at, int64_t n) { return std::string(host.data() + at, n); },
+                               [&](int64_t at, const std::string& b) { std::memcpy(host.data() + at, b.data(), b.size()); }};
+  testing::CheckRegionExportImportIsBitwise(MakeCpu, memory);
 }
 
 TEST(EngineTiersTest, LruNeedsAHostTier) {

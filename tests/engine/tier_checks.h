@@ -48,6 +48,22 @@ inline absl::StatusOr<int64_t> ImportSync(Engine& e, uint64_t id,
   return f.get();
 }
 
+inline absl::StatusOr<int64_t> ExportToSync(Engine& e, uint64_t id, Tensor destination) {
+  std::promise<absl::StatusOr<int64_t>> p;
+  auto f = p.get_future();
+  e.ExportSequenceTo(id, std::move(destination),
+                     [&p](absl::StatusOr<int64_t> r) { p.set_value(std::move(r)); });
+  return f.get();
+}
+
+inline absl::StatusOr<int64_t> ImportSync(Engine& e, uint64_t id,
+                                          std::shared_ptr<const SequenceSource> source) {
+  std::promise<absl::StatusOr<int64_t>> p;
+  auto f = p.get_future();
+  e.ImportSequence(id, std::move(source), [&p](absl::StatusOr<int64_t> r) { p.set_value(std::move(r)); });
+  return f.get();
+}
+
 inline absl::Status OffloadSync(Engine& e, uint64_t id) {
   std::promise<absl::Status> p;
   auto f = p.get_future();
@@ -175,6 +191,112 @@ inline void CheckExportImportIsBitwise(const BackendFactory& make) {
       EXPECT_EQ(a->output, b->output) << "step " << step << " layer " << layer;
       EXPECT_EQ(a->lse, b->lse);
     }
+  }
+}
+
+// Memory standing in for a client's registered region: host memory, or device memory of a
+// backend with a device (then read and write copy through the host).
+struct RegionMemory {
+  char* data = nullptr;
+  int64_t bytes = 0;
+  bool on_device = false;
+  std::function<std::string(int64_t offset, int64_t size)> read;
+  std::function<void(int64_t offset, const std::string& bytes)> write;
+};
+
+// A view of [offset, offset + size) of `memory` as the service makes one from a TensorRef
+// (without a registry, so without a lease: the memory outlives the engines).
+inline Tensor RegionView(const RegionMemory& memory, int64_t offset, int64_t size) {
+  return Tensor::View(memory.data + offset, size, memory.on_device, RegionLease());
+}
+
+// Export into a region and import from one (ExportSequenceTo, ImportSequence of a
+// SequenceSource): the region holds the documented layout (every layer's K rows then its V
+// rows, packed) with nothing around it written, from the pool and from the host tier; a
+// destination one row short is INVALID_ARGUMENT with nothing written; an import from spans that
+// start and end mid-page, mixing region rows and host rows, gives pages (and later decodes)
+// bitwise equal to the exporter's. `memory` holds at least 4 MiB.
+inline void CheckRegionExportImportIsBitwise(const BackendFactory& make, const RegionMemory& memory) {
+  constexpr int32_t kLayers = 2;
+  constexpr int64_t kRow = kernels::kTokenBytes;
+  auto from = Engine::Create({.num_layers = kLayers, .num_pages = 64, .host_pages = 8}, make(), nullptr);
+  auto to = Engine::Create({.num_layers = kLayers, .num_pages = 64}, make(), nullptr);
+  ASSERT_TRUE(from.ok() && to.ok());
+  ASSERT_GE(memory.bytes, 4 << 20);
+  std::mt19937_64 rng(43);
+  FillTierCase(**from, kLayers, rng);
+  ASSERT_TRUE(OffloadSync(**from, 2).ok());  // exported from the host tier
+  std::string noise(memory.bytes, '\0');
+  for (char& c : noise) c = static_cast<char>(rng());
+  constexpr int64_t kAt = 4096 + 256;
+  for (uint64_t id : {1, 2, 3}) {
+    auto data = ExportSync(**from, id);
+    ASSERT_TRUE(data.ok()) << data.status();
+    const int64_t length = (*data)->length;
+    std::string layout;
+    for (int32_t layer = 0; layer < kLayers; ++layer) {
+      layout += std::string((*data)->k(layer), length * kRow) + std::string((*data)->v(layer), length * kRow);
+    }
+    memory.write(0, noise);
+    // One row short: refused, nothing written.
+    auto short_by_one = ExportToSync(**from, id, RegionView(memory, kAt, static_cast<int64_t>(layout.size()) - kRow));
+    EXPECT_TRUE(absl::IsInvalidArgument(short_by_one.status())) << short_by_one.status();
+    EXPECT_TRUE(memory.read(0, memory.bytes) == noise) << "a refused export wrote";
+    auto length_written = ExportToSync(**from, id, RegionView(memory, kAt, memory.bytes - kAt));
+    ASSERT_TRUE(length_written.ok()) << length_written.status();
+    EXPECT_EQ(*length_written, length);
+    EXPECT_TRUE(memory.read(kAt, static_cast<int64_t>(layout.size())) == layout) << id;
+    EXPECT_TRUE(memory.read(0, kAt) == noise.substr(0, kAt));
+    const int64_t end = kAt + static_cast<int64_t>(layout.size());
+    EXPECT_TRUE(memory.read(end, memory.bytes - end) == noise.substr(end));
+
+    // Imported from spans of 37 and 63 tokens, then the rest: region rows, except layer 1's
+    // middle span from the host copy.
+    auto source = std::make_shared<SequenceSource>();
+    source->length = length;
+    source->num_layers = kLayers;
+    source->holders.push_back(*data);
+    for (int32_t layer = 0; layer < kLayers; ++layer) {
+      const int64_t cuts[] = {0, std::min<int64_t>(37, length), std::min<int64_t>(100, length), length};
+      for (int i = 0; i < 3; ++i) {
+        const int64_t first = cuts[i], n = cuts[i + 1] - cuts[i];
+        if (n == 0) continue;
+        SequenceSource::Span span{layer, first, n, nullptr, nullptr, memory.on_device};
+        if (layer == 1 && i == 1) {
+          span = {layer, first, n, (*data)->k(layer) + first * kRow, (*data)->v(layer) + first * kRow, false};
+        } else {
+          const char* k_rows = memory.data + kAt + 2 * layer * length * kRow;
+          span.k = k_rows + first * kRow;
+          span.v = k_rows + length * kRow + first * kRow;
+        }
+        source->spans.push_back(span);
+      }
+    }
+    auto imported = ImportSync(**to, id, source);
+    ASSERT_TRUE(imported.ok()) << imported.status();
+    EXPECT_EQ(*imported, length);
+    auto again = ExportSync(**to, id);
+    ASSERT_TRUE(again.ok());
+    for (int32_t layer = 0; layer < kLayers; ++layer) {
+      EXPECT_TRUE(std::string((*again)->k(layer), length * kRow) == std::string((*data)->k(layer), length * kRow));
+      EXPECT_TRUE(std::string((*again)->v(layer), length * kRow) == std::string((*data)->v(layer), length * kRow));
+    }
+  }
+  EXPECT_TRUE(absl::IsNotFound(ExportToSync(**from, 99, RegionView(memory, 0, memory.bytes)).status()));
+  // Later decodes, steps and attends, bitwise equal on both.
+  for (int32_t layer = 0; layer < kLayers; ++layer) {
+    DecodeWork w;
+    w.layer = layer;
+    w.sequence_ids = {1, 2, 3};
+    w.sm_scale = kDefaultScale;
+    w.q = ToBytes(RandomBf16(3 * kernels::kQueryElems, rng));
+    w.k = ToBytes(RandomBf16(3 * kernels::kTokenElems, rng));
+    w.v = ToBytes(RandomBf16(3 * kernels::kTokenElems, rng));
+    auto a = DecodeSync(**from, w);
+    auto b = DecodeSync(**to, w);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(a->output, b->output) << "layer " << layer;
+    EXPECT_EQ(a->lse, b->lse);
   }
 }
 

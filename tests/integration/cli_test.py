@@ -104,6 +104,23 @@ def main():
             theirs = json.loads(subprocess.run([args.cli, f"--target={other.target}", "stats"],
                                                capture_output=True, text=True, timeout=60).stdout)
             assert int(theirs["sequences"]) == 1 and int(theirs["pages_free"]) == 16 - 2, theirs
+            # migrate --via_region: the same through one shared-memory object registered on
+            # both servers (gone from both afterwards, also after a refusal).
+            def other_cli(*words):
+                return subprocess.run([args.cli, f"--target={other.target}", *words],
+                                      capture_output=True, text=True, timeout=60)
+            assert other_cli("release", "5").returncode == 0
+            out, _ = run(["migrate", "5", other.target, "--via_region"])
+            assert "sequence 5: 71 tokens" in out and "through a registered region" in out, out
+            _, err = run(["migrate", "5", other.target, "--via_region"], code=1)
+            assert "ALREADY_EXISTS" in err, err
+            assert other_cli("release", "5").returncode == 0
+            out, _ = run(["migrate", "5", other.target, "--via_region", "--repeat=2"])
+            assert out.count("sequence 5: 71 tokens") == 2 and "median of 2" in out, out
+            for listed in (run(["memory"])[0], other_cli("memory").stdout):
+                assert "pa-migrate" not in listed, listed
+            theirs = json.loads(other_cli("stats").stdout)
+            assert int(theirs["sequences"]) == 1 and int(theirs["tokens"]) == 71, theirs
 
         run(["fork", "5", "6"])
         run(["decode", "5,6", "--layer=1"])

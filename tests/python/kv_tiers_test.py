@@ -1,5 +1,6 @@
 """The Python client's KV-tier calls against a real server: export_sequence / import_sequence
-(the copy decodes bitwise like the original), offload (the host tier's counters, the transparent
+(the copy decodes bitwise like the original), by reference through a SystemRegion (the region
+holds the documented layout, the import by reference decodes bitwise), offload (the host tier's counters, the transparent
 restore, the metrics), the same with AsyncClient, and clients killed with SIGKILL in the middle
 of an export and of an import (the server stays healthy and keeps nothing of them).
 
@@ -92,6 +93,53 @@ class KvTiersClientTest(t.ServerCase):
         for sid in (10, 11):
             c.release(sid)
 
+    def test_export_import_through_a_system_region(self):
+        c, pa = self.client, self.pa
+        mirror = t.Mirror(self.config)
+        self.prefill(mirror, 30, 150)
+        inline = c.export_sequence(30)
+        row = self.config.num_kv_heads * self.config.head_dim * 2
+        need = 2 * LAYERS * 150 * row
+        with pa.SystemRegion(need + 64, c) as region:
+            # Too small: refused, nothing written.
+            region.array(0, np.uint8, (region.size,))[...] = 7
+            with self.assertRaises(pa.PagedAttnError) as ctx:
+                c.export_sequence(30, destination=region.ref(16, need - row))
+            self.assertEqual(ctx.exception.code.name, "INVALID_ARGUMENT")
+            self.assertTrue((region.array(0, np.uint8, (region.size,)) == 7).all())
+
+            chunks = c.export_sequence(30, destination=region.ref(16, need))
+            self.assertEqual([(x.layer, x.num_tokens, len(x.k), x.k_ref.offset, x.v_ref.offset)
+                              for x in chunks],
+                             [(0, 150, 0, 16, 16 + 150 * row),
+                              (1, 150, 0, 16 + 2 * 150 * row, 16 + 3 * 150 * row)])
+            layout = b"".join(x.k + x.v for x in inline)
+            self.assertEqual(region.array(16, np.uint8, (need,)).tobytes(), layout)
+            self.assertTrue((region.array(0, np.uint8, (16,)) == 7).all())
+            self.assertTrue((region.array(16 + need, np.uint8, (region.size - 16 - need,)) == 7).all())
+            # Imported by reference, and by bytes read out of the region.
+            self.assertEqual(c.import_sequence(31, chunks), 150)
+            as_bytes = []
+            for x in chunks:
+                y = pa.v1.pagedattn_pb2.ExportSequenceChunk()
+                y.CopyFrom(x)
+                y.ClearField("k_ref")
+                y.ClearField("v_ref")
+                y.k = region.array(x.k_ref.offset, np.uint8, (x.k_ref.byte_size,)).tobytes()
+                y.v = region.array(x.v_ref.offset, np.uint8, (x.v_ref.byte_size,)).tobytes()
+                as_bytes.append(y)
+            self.assertEqual(c.import_sequence(32, as_bytes), 150)
+        q = t.random_bf16(self.rng, self.config.q_shape(1))
+        for layer in range(LAYERS):
+            original = c.decode(layer, [30], q)
+            t.assert_matches(self, original, mirror.expected(layer, [30], q, False))
+            for copy in (31, 32):
+                got = c.decode(layer, [copy], q)
+                np.testing.assert_array_equal(got.output, original.output)
+                np.testing.assert_array_equal(got.lse, original.lse)
+        for sid in (30, 31, 32):
+            c.release(sid)
+
     def test_async_client(self):
         pa = self.pa
         mirror = t.Mirror(self.config)
@@ -106,6 +154,13 @@ class KvTiersClientTest(t.ServerCase):
                 self.assertEqual(await c.import_sequence(21, chunks), 70)
                 await c.offload(21)
                 self.assertEqual((await c.stats()).sequences_offloaded, 1)
+                region = await pa.SystemRegion(2 * LAYERS * 70 * 1024).register_async(c)
+                async with region:
+                    by_ref = await c.export_sequence(20, destination=region.ref(0, region.size))
+                    self.assertEqual([x.k_ref.byte_size for x in by_ref], [70 * 1024] * LAYERS)
+                    self.assertEqual(await c.import_sequence(22, by_ref), 70)
+                np.testing.assert_array_equal((await c.decode(0, [22], q)).output, want.output)
+                await c.release(22)
                 got = await c.decode(0, [21], q)
                 np.testing.assert_array_equal(got.output, want.output)
                 await c.release(20)

@@ -145,11 +145,18 @@ def health_status(response: bytes) -> str:
 
 def import_chunks(new_id: int, chunks):
     """ImportSequenceChunk messages from exported chunks (ExportSequenceChunk or
-    ImportSequenceChunk): the first names `new_id` and the chunks' length."""
+    ImportSequenceChunk, k/v inline or by reference): the first names `new_id` and the chunks'
+    length."""
     new_id = sequence_id(new_id)
     for i, c in enumerate(chunks):
         out = pb.ImportSequenceChunk(layer=c.layer, first_token=c.first_token,
                                      num_tokens=c.num_tokens, k=c.k, v=c.v)
+        # Rows by reference (an export into a region) pass as they are: the region must be
+        # registered on the importing server under the same name.
+        if c.HasField("k_ref"):
+            out.k_ref.CopyFrom(c.k_ref)
+        if c.HasField("v_ref"):
+            out.v_ref.CopyFrom(c.v_ref)
         if i == 0:
             out.sequence_id = new_id
             out.length = c.length
@@ -157,3 +164,11 @@ def import_chunks(new_id: int, chunks):
             out.k_scale.extend(c.k_scale)
             out.v_scale.extend(c.v_scale)
         yield out
+
+
+def export_request(sequence_id_: int, destination) -> "pb.ExportSequenceRequest":
+    """An ExportSequenceRequest, into `destination` (a TensorRef) when given."""
+    request = pb.ExportSequenceRequest(sequence_id=sequence_id(sequence_id_))
+    if destination is not None:
+        request.destination.CopyFrom(destination.to_message())
+    return request

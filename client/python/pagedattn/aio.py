@@ -108,9 +108,10 @@ class AsyncClient:
         await self._call(self._stub.ReleaseSequence, request)
 
     # -- KV beyond one pool ------------------------------------------------------------------
-    async def export_sequence(self, sequence_id: int, timeout: Optional[float] = None) -> List:
-        """ExportSequence: the chunks (see Client.export_sequence)."""
-        request = pb.ExportSequenceRequest(sequence_id=_protocol.sequence_id(sequence_id))
+    async def export_sequence(self, sequence_id: int, timeout: Optional[float] = None,
+                              destination=None) -> List:
+        """ExportSequence: the chunks (see Client.export_sequence, also for `destination`)."""
+        request = _protocol.export_request(sequence_id, destination)
         try:
             call = self._stub.ExportSequence(request, timeout=timeout or self.options.deadline(),
                                              metadata=self.options.metadata(),

@@ -152,11 +152,15 @@ class Client:
         self._call(self._stub.ReleaseSequence, request)
 
     # -- KV beyond one pool ------------------------------------------------------------------
-    def export_sequence(self, sequence_id: int, timeout: Optional[float] = None) -> List[pb.ExportSequenceChunk]:
+    def export_sequence(self, sequence_id: int, timeout: Optional[float] = None,
+                        destination: Optional[TensorRef] = None) -> List[pb.ExportSequenceChunk]:
         """ExportSequence: every chunk of the sequence's committed tokens (k/v bytes as the
         pool stores them, layer by layer, at most 2 MiB each; the first names the pages' type
-        and fp8 scales)."""
-        request = pb.ExportSequenceRequest(sequence_id=_protocol.sequence_id(sequence_id))
+        and fp8 scales). With `destination` (a TensorRef into a region registered here, e.g.
+        SystemRegion.ref(0, region.size)) the server writes the rows there instead: layer after
+        layer, K then V, each [length, num_kv_heads, head_dim] as stored, and the chunks (one per
+        layer) carry k_ref / v_ref naming them, with empty k / v."""
+        request = _protocol.export_request(sequence_id, destination)
         try:
             return list(self._stub.ExportSequence(request, timeout=timeout or self.options.deadline(),
                                                   metadata=self.options.metadata(),
@@ -166,7 +170,10 @@ class Client:
 
     def import_sequence(self, sequence_id: int, chunks, timeout: Optional[float] = None) -> int:
         """ImportSequence: a new sequence `sequence_id` from exported chunks (of this server or
-        another); returns its committed length. Nothing is created unless every chunk arrives."""
+        another); returns its committed length. Nothing is created unless every chunk arrives.
+        A chunk's rows may be by reference (k_ref / v_ref, as an export into a region gives
+        them): the region must be registered on this server under that name (e.g. one
+        SystemRegion registered with both servers), and stay unchanged until this returns."""
         return self._call(self._stub.ImportSequence, _protocol.import_chunks(sequence_id, chunks),
                           timeout).length
 
