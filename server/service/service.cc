@@ -12,11 +12,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "grpcpp/alarm.h"
 #include "server/local/local_channels.h"
 #include "server/local/ring_layout.h"
 #include "server/memory/memory_registry.h"
 #include "server/metrics/metrics.h"
+#include "server/service/deadline_timers.h"
 #include "server/service/decode_stream_reactor.h"
 #include "server/service/status.h"
 #include "server/service/transfer_reactors.h"
@@ -250,24 +250,21 @@ class UnregisterWait {
     call_->Complete(status);
   }
 
-  void Arm(absl::Time deadline, const std::string& name,
-           const std::shared_ptr<UnregisterWait>& self) {
-    alarm_.Set(absl::ToChronoTime(deadline), [weak = std::weak_ptr<UnregisterWait>(self),
-                                              name](bool fired) {
-      std::shared_ptr<UnregisterWait> wait = weak.lock();
-      if (fired && wait != nullptr) {
-        wait->Finish(absl::DeadlineExceededError(absl::StrCat(
-            "memory region \"", name,
-            "\" is unlisted but still used by work; it is unmapped when that work ends")));
-      }
-    });
+  // The deadline timer, once armed (0 before).
+  void set_timer(DeadlineTimers::Id id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    timer_ = id;
+  }
+  DeadlineTimers::Id timer() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return timer_;
   }
 
  private:
   UnaryCall* const call_;
-  grpc::Alarm alarm_;  // cancelled when this goes away
-  std::mutex mu_;
+  mutable std::mutex mu_;
   bool finished_ = false;
+  DeadlineTimers::Id timer_ = 0;
 };
 
 }  // namespace
@@ -277,14 +274,27 @@ grpc::ServerUnaryReactor* PagedAttentionService::UnregisterMemory(
     v1::UnregisterMemoryResponse* /*response*/) {
   return Unary(context, "UnregisterMemory", [&](UnaryCall* call) {
     const absl::Time deadline = std::min(call->deadline(), absl::Now() + kMaxUnregisterWait);
+    // Answered by whichever comes first: the region's last lease going (on the thread that
+    // drops it), or the deadline (on the timers' thread). Both hold the wait; the timers by
+    // weak reference from the lease's side, since a lease may outlive this service.
     auto wait = std::make_shared<UnregisterWait>(call);
     absl::StatusOr<bool> unmapped = engine_->regions()->UnregisterThen(
-        request->name(), [wait] { wait->Finish(absl::OkStatus()); });
+        request->name(), [wait, timers = std::weak_ptr<DeadlineTimers>(timers_)] {
+          wait->Finish(absl::OkStatus());
+          const DeadlineTimers::Id id = wait->timer();
+          if (std::shared_ptr<DeadlineTimers> t = timers.lock(); t != nullptr && id != 0) {
+            t->Cancel(id);
+          }
+        });
     if (!unmapped.ok() || *unmapped) {
       call->Complete(unmapped.status());
       return;
     }
-    wait->Arm(deadline, request->name(), wait);
+    wait->set_timer(timers_->Add(deadline, [wait, name = request->name()] {
+      wait->Finish(absl::DeadlineExceededError(absl::StrCat(
+          "memory region \"", name,
+          "\" is unlisted but still used by work; it is unmapped when that work ends")));
+    }));
   });
 }
 

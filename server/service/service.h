@@ -11,12 +11,14 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 
 #include "pagedattn/v1/pagedattn.grpc.pb.h"
 #include "server/service/auth.h"
 #include "server/service/call_counter.h"
+#include "server/service/deadline_timers.h"
 #include "server/engine/engine.h"
 
 namespace pagedattn {
@@ -125,6 +127,8 @@ class PagedAttentionService final : public v1::PagedAttention::CallbackService {
   const ModelConfig config_;  // fixed for the engine's life
   const TokenChecker auth_;
   CallCounter calls_;
+  // UnregisterMemory's deadlines. Shared: a region's last lease may drop after the service.
+  std::shared_ptr<DeadlineTimers> timers_ = std::make_shared<DeadlineTimers>();
 };
 
 }  // namespace pagedattn
