@@ -33,9 +33,14 @@ void UnaryCall::Complete(const absl::Status& status) {
   Finish(ToGrpcStatus(status));
 }
 
-void UnaryCall::OnCancel() { cancelled_->store(true, std::memory_order_relaxed); }
+// gRPC runs OnDone after OnCancel has returned, but orders the two inside its own library,
+// where ThreadSanitizer cannot see it. The release store here and the acquire load in OnDone
+// make that order visible, so the reactor's deletion (and the flag's, by whichever thread
+// drops it last) is seen to come after OnCancel's accesses.
+void UnaryCall::OnCancel() { cancelled_->store(true, std::memory_order_release); }
 
 void UnaryCall::OnDone() {
+  [[maybe_unused]] const bool cancelled = cancelled_->load(std::memory_order_acquire);
   CallCounter* calls = calls_;
   delete this;
   calls->End();
