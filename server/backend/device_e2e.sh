@@ -5,7 +5,8 @@
 # Steps, in order (STEPS, default "tests server loadgen"):
 #   tests    the CUDA backend's test binaries (staging unit test, GPU test against the CPU
 #            backend and the engine, registered memory over CUDA IPC, the KV tiers' page
-#            transfers); with KERNEL_TESTS=1 also the kernel's GPU test (long)
+#            transfers, the local channel with cuda regions); with KERNEL_TESTS=1 also the
+#            kernel's GPU test (long)
 #   tiers    the offload/restore and migration bench of a 32K-token sequence next to pinned
 #            cudaMemcpy (tier_bench.log), then a migration of one between two CUDA servers on
 #            this GPU over gRPC, by bytes, through a shared-memory region and through a cuda
@@ -49,7 +50,7 @@ if has tests; then
   : > "$OUT/tests.log"
   # pagedattn_cuda_ipc_test finds its peer process beside it in the bundle.
   tests=(pagedattn_cuda_staging_test pagedattn_cuda_backend_test pagedattn_cuda_ipc_test
-         pagedattn_cuda_tiers_test)
+         pagedattn_cuda_tiers_test pagedattn_local_channel_gpu_test)
   [[ ${KERNEL_TESTS:-0} == 1 ]] && tests+=(pagedattn_kernel_gpu_test)
   for t in "${tests[@]}"; do
     [[ -x $BIN/$t ]] || { say "skip $t (not in the bundle)"; continue; }
