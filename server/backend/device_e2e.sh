@@ -30,6 +30,7 @@ OUT=${OUT:-/tmp/pagedattn-e2e}
 STEPS=${STEPS:-tests server loadgen}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=$BUNDLE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export PAGEDATTN_SERVER_BIN=$BIN/pagedattn-server  # for the tests that start a server
 export PAGEDATTN_WORKLOADS=$PWD/kernels/bench/workloads/gqa_paged_decode_h24_kv4_d128_ps64.jsonl
 export PYTHONUNBUFFERED=1
 LOG=$OUT/e2e.log
