@@ -52,6 +52,11 @@ class PlanOnHelper {
   bool posted_ = false;
 };
 
+// Where a kernel reads a round's rows: in place in a client's device memory, or the arena.
+const char* RowsAt(const char* in_place, const char* arena) {
+  return in_place != nullptr ? in_place : arena;
+}
+
 double SecondsSince(std::chrono::steady_clock::time_point begin) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
 }
@@ -244,8 +249,8 @@ absl::Status CudaBackend::Impl::LaunchRound(Slot& slot, const BackendBatch& batc
     a.k_cache = k_pool;
     a.v_cache = v_pool;
     a.slots = reinterpret_cast<const int64_t*>(dev + l.slots);
-    a.k_rows = reinterpret_cast<const uint16_t*>(dev + l.k_rows);
-    a.v_rows = reinterpret_cast<const uint16_t*>(dev + l.v_rows);
+    a.k_rows = reinterpret_cast<const uint16_t*>(RowsAt(rp.k_in_place, dev + l.k_rows));
+    a.v_rows = reinterpret_cast<const uint16_t*>(RowsAt(rp.v_in_place, dev + l.v_rows));
     a.num_tokens = r.num_tokens();
     PA_RETURN_IF_ERROR(KernelFailure(k::LaunchTokenScatter(a, stream)));
   }
@@ -264,7 +269,7 @@ absl::Status CudaBackend::Impl::LaunchRound(Slot& slot, const BackendBatch& batc
     }
     const int32_t b = batch.plan.batch_size();
     k::DecodeArgs a;
-    a.q = reinterpret_cast<const uint16_t*>(dev + l.q);
+    a.q = reinterpret_cast<const uint16_t*>(RowsAt(rp.q_in_place, dev + l.q));
     a.k_cache = k_pool;
     a.v_cache = v_pool;
     a.kv_indices = reinterpret_cast<const int32_t*>(dev + l.indices);
@@ -276,8 +281,8 @@ absl::Status CudaBackend::Impl::LaunchRound(Slot& slot, const BackendBatch& batc
     a.sm_scale = batch.sm_scale;
     k::NewTokenRows rows;
     if (rp.kernel_appends) {
-      rows.k = reinterpret_cast<const uint16_t*>(dev + l.k_rows);
-      rows.v = reinterpret_cast<const uint16_t*>(dev + l.v_rows);
+      rows.k = reinterpret_cast<const uint16_t*>(RowsAt(rp.k_in_place, dev + l.k_rows));
+      rows.v = reinterpret_cast<const uint16_t*>(RowsAt(rp.v_in_place, dev + l.v_rows));
       rows.k_cache = k_pool;
       rows.v_cache = v_pool;
     }

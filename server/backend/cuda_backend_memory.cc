@@ -130,7 +130,8 @@ absl::StatusOr<char*> CudaBackend::OpenDeviceMemory(std::string_view ipc_handle,
     if (at != d.regions.end() && at->range.begin == begin) {
       ++at->refs;  // the same allocation again: the runtime counted this open too
     } else {
-      d.regions.insert(at, Impl::Registered{{begin, end, MemoryKind::kDevice}, data, 1});
+      d.regions.insert(at, Impl::Registered{{begin, end, MemoryKind::kDevice, attr.device == own},
+                                            data, 1});
       d.regions_version.fetch_add(1, std::memory_order_release);
     }
   }

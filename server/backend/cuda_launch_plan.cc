@@ -92,14 +92,66 @@ class PieceSorter {
   bool straddles_ = false;
 };
 
-// The pieces of a round's rows in the arena, in RowRuns' order (q rows, K rows, V rows).
-void SortRowPieces(const BackendBatch& batch, const Round& r, TokenCursor cursor,
-                   const RoundLayout& l, PieceSorter* sorter) {
-  for (int32_t s = 0; s < r.num_sequences(); ++s) {
+// [p, p + bytes) when it lies inside one range of the backend's own device memory, else null.
+const char* OwnDevice(const char* p, int64_t bytes, const LaunchPlanOptions& o) {
+  if (p == nullptr || bytes <= 0) return nullptr;
+  const std::vector<MemoryRange>& ranges = *o.ranges;
+  auto next = std::upper_bound(ranges.begin(), ranges.end(), p,
+                               [](const char* x, const MemoryRange& r) { return x < r.begin; });
+  if (next == ranges.begin()) return nullptr;
+  const MemoryRange& r = *std::prev(next);
+  return r.own_device && p + bytes <= r.end ? p : nullptr;
+}
+
+// The round's q rows, when they are back to back in the backend's own device memory.
+const char* QInPlace(const BackendBatch& batch, const Round& r, const LaunchPlanOptions& o) {
+  const int32_t ns = r.num_sequences();
+  if (ns == 0) return nullptr;
+  const char* const first = reinterpret_cast<const char*>(batch.q[r.seq_begin]);
+  for (int32_t s = 1; s < ns; ++s) {
+    if (reinterpret_cast<const char*>(batch.q[r.seq_begin + s]) !=
+        first + int64_t{s} * kernels::kQueryBytes) {
+      return nullptr;
+    }
+  }
+  return OwnDevice(first, int64_t{ns} * kernels::kQueryBytes, o);
+}
+
+// The K (or V) rows of the round's written tokens, when they are back to back in the
+// backend's own device memory.
+const char* RowsInPlace(const BackendBatch& batch, const Round& r, TokenCursor c, bool k_side,
+                        const LaunchPlanOptions& o) {
+  const char* first = nullptr;
+  int64_t done = 0;
+  while (done < r.num_tokens()) {
+    const TokenWrite& w = batch.writes[c.write];
+    const int64_t n = std::min<int64_t>(r.num_tokens() - done, w.num_tokens - c.offset);
+    const char* src = reinterpret_cast<const char*>((k_side ? w.k : w.v) +
+                                                    int64_t{c.offset} * kernels::kTokenElems);
+    if (first == nullptr) first = src;
+    if (src != first + done * kernels::kTokenBytes) return nullptr;
+    done += n;
+    c.offset += static_cast<int32_t>(n);
+    if (c.offset == w.num_tokens) {
+      ++c.write;
+      c.offset = 0;
+    }
+  }
+  return OwnDevice(first, r.num_tokens() * kernels::kTokenBytes, o);
+}
+
+// The pieces of a round's rows in the arena, in RowRuns' order (q rows, K rows, V rows),
+// leaving out the rows the kernels read in place.
+void SortRowPieces(const BackendBatch& batch, const RoundPlan& rp, TokenCursor cursor,
+                   PieceSorter* sorter) {
+  const Round& r = rp.round;
+  const RoundLayout& l = rp.layout;
+  for (int32_t s = 0; s < r.num_sequences() && rp.q_in_place == nullptr; ++s) {
     sorter->Add(batch.q[r.seq_begin + s], l.q + int64_t{s} * kernels::kQueryBytes,
                 kernels::kQueryBytes);
   }
   for (const bool k_side : {true, false}) {
+    if ((k_side ? rp.k_in_place : rp.v_in_place) != nullptr) continue;
     TokenCursor c = cursor;
     int64_t done = 0;
     const int64_t base = k_side ? l.k_rows : l.v_rows;
@@ -175,10 +227,15 @@ absl::Status PlanLaunch(const BackendBatch& batch, const StagingCapacity& capaci
     rp.cursor = cursor;
     bool sorted = false;
     if (registered) {
+      rp.q_in_place = QInPlace(batch, r, options);
+      rp.k_in_place = RowsInPlace(batch, r, cursor, /*k_side=*/true, options);
+      rp.v_in_place = RowsInPlace(batch, r, cursor, /*k_side=*/false, options);
+      const bool in_place = rp.q_in_place != nullptr || rp.k_in_place != nullptr ||
+                            rp.v_in_place != nullptr;
       PieceSorter sorter(options, &plan->scratch_runs, &plan->scratch_device);
-      SortRowPieces(batch, r, cursor, rp.layout, &sorter);
+      SortRowPieces(batch, rp, cursor, &sorter);
       if (sorter.straddles()) return Straddling("q, k or v");
-      if (sorter.registered()) {
+      if (sorter.registered() || in_place) {
         sorted = true;
         rp.device_begin = static_cast<int32_t>(plan->device_runs.size());
         plan->device_runs.insert(plan->device_runs.end(), plan->scratch_device.begin(),

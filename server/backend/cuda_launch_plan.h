@@ -44,6 +44,8 @@ struct MemoryRange {
   const char* begin = nullptr;
   const char* end = nullptr;  // one past the last byte
   MemoryKind kind = MemoryKind::kPageable;
+  // kDevice memory of the backend's own GPU: the kernels may read rows there in place.
+  bool own_device = false;
 };
 
 struct LaunchPlanOptions {
@@ -85,6 +87,12 @@ struct RoundPlan {
   // The round's device rows: LaunchPlan::device_runs [device_begin, device_end), each one
   // device-to-device copy into the arena, issued after the arena's host-to-device copies.
   int32_t device_begin = 0, device_end = 0;
+  // Rows the kernels read in place instead of from the arena (no copy at all): the round's q
+  // rows, or the K or V rows of its written tokens, when they are one run of the backend's own
+  // device memory (a client's allocation on the pool's GPU). Null: from the arena.
+  const char* q_in_place = nullptr;
+  const char* k_in_place = nullptr;
+  const char* v_in_place = nullptr;
   // The decode kernel writes the round's tokens: LaunchPlan::append_rows [append_begin,
   // append_begin + num_sequences) are the decoder's append_rows. Else tokens, when the round
   // has any, go through the scatter kernel (and their slots through the arena).

@@ -60,6 +60,11 @@ class RegisteredPlanTest : public ::testing::Test {
     for (const DeviceRun& run : plan.out_device_runs) EXPECT_TRUE(Inside(run.host, device_));
   }
 
+  // The device range as memory of the backend's own GPU, which the kernels read in place.
+  void MakeDeviceOwn() {
+    for (MemoryRange& r : ranges_) r.own_device = r.kind == MemoryKind::kDevice;
+  }
+
   std::vector<char> ring_, device_, pinned_, pageable_;
   std::vector<MemoryRange> ranges_;
   LaunchPlanOptions options_;
@@ -265,6 +270,90 @@ TEST_F(RegisteredPlanTest, AReusedPlanKeepsNoDeviceRunsOfThePreviousBatch) {
   EXPECT_FALSE(plan.out_device);
   EXPECT_FALSE(plan.rounds[0].packed_runs);
   EXPECT_EQ(plan.output, OutputMode::kKernelWrites);
+}
+
+TEST_F(RegisteredPlanTest, OneRequestOnTheOwnDeviceIsReadInPlaceWithoutAnyRowCopy) {
+  MakeDeviceOwn();
+  Requests r;
+  char* const block = device_.data() + 8192;
+  r.Add(block, 3);
+  const LaunchPlan plan = Plan(r.batch());
+  ASSERT_EQ(plan.rounds.size(), 1u);
+  const RoundPlan& rp = plan.rounds[0];
+  EXPECT_EQ(rp.q_in_place, block);
+  EXPECT_EQ(rp.k_in_place, block + 3 * k::kQueryBytes);
+  EXPECT_EQ(rp.v_in_place, block + 3 * k::kQueryBytes + 3 * k::kTokenBytes);
+  // Only the tables travel: no host run, no device-to-device copy.
+  EXPECT_TRUE(rp.direct_rows);
+  EXPECT_EQ(rp.runs_end, rp.runs_begin);
+  EXPECT_EQ(rp.device_end, rp.device_begin);
+  EXPECT_TRUE(rp.kernel_appends);
+  EXPECT_EQ(plan.output, OutputMode::kKernelWrites);
+  EXPECT_TRUE(plan.out_device);
+}
+
+TEST_F(RegisteredPlanTest, RowsThatAreNotOneRunOfTheOwnDeviceAreCopiedAsBefore) {
+  MakeDeviceOwn();
+  // Two requests: their q rows are two runs (each block holds q, K, V, outputs).
+  Requests two;
+  char* const second = two.Add(device_.data(), 2);
+  two.Add(second, 1);
+  const LaunchPlan plan = Plan(two.batch());
+  const RoundPlan& rp = plan.rounds[0];
+  EXPECT_EQ(rp.q_in_place, nullptr);
+  EXPECT_EQ(rp.k_in_place, nullptr);
+  EXPECT_EQ(rp.v_in_place, nullptr);
+  EXPECT_EQ(rp.device_end - rp.device_begin, 6);
+  // Another GPU's memory is copied on the device, even as one run.
+  for (MemoryRange& r : ranges_) r.own_device = false;
+  Requests peer;
+  peer.Add(device_.data(), 2);
+  const LaunchPlan peer_plan = Plan(peer.batch());
+  EXPECT_EQ(peer_plan.rounds[0].q_in_place, nullptr);
+  EXPECT_EQ(peer_plan.rounds[0].device_end - peer_plan.rounds[0].device_begin, 1);
+}
+
+TEST_F(RegisteredPlanTest, OnlyTheInPlaceRowsOfAMixedRoundLeaveTheCopies) {
+  MakeDeviceOwn();
+  // q in the own device, K and V rows in pinned memory: q in place, K and V copied direct.
+  Requests r;
+  r.Add(pinned_.data(), 2);
+  BackendBatch& batch = r.batch();
+  char* const q = device_.data() + 4096;
+  for (int32_t s = 0; s < 2; ++s) {
+    batch.q[s] = reinterpret_cast<const uint16_t*>(q + s * k::kQueryBytes);
+  }
+  const LaunchPlan plan = Plan(batch);
+  const RoundPlan& rp = plan.rounds[0];
+  EXPECT_EQ(rp.q_in_place, q);
+  EXPECT_EQ(rp.k_in_place, nullptr);
+  EXPECT_TRUE(rp.direct_rows);
+  EXPECT_EQ(rp.device_end, rp.device_begin);
+  ASSERT_EQ(rp.runs_end - rp.runs_begin, 1);  // K then V rows, one pinned run
+  EXPECT_EQ(plan.row_runs[rp.runs_begin].offset, rp.layout.k_rows);
+  EXPECT_EQ(plan.row_runs[rp.runs_begin].bytes, 4 * k::kTokenBytes);
+}
+
+TEST_F(RegisteredPlanTest, AnAppendFromTheOwnDeviceIsReadInPlaceInEveryRound) {
+  MakeDeviceOwn();
+  BackendBatch batch;
+  constexpr int32_t kTokens = 40;
+  char* const kk = device_.data();
+  char* const vv = kk + kTokens * k::kTokenBytes;
+  batch.writes.push_back({reinterpret_cast<const uint16_t*>(kk),
+                          reinterpret_cast<const uint16_t*>(vv), kTokens, 0});
+  for (int32_t t = 0; t < kTokens; ++t) batch.write_slots.push_back(64 + t);
+  const LaunchPlan plan = Plan(batch, Capacity(/*staged_tokens=*/16));
+  ASSERT_EQ(plan.rounds.size(), 3u);
+  int64_t token = 0;
+  for (const RoundPlan& rp : plan.rounds) {
+    EXPECT_TRUE(rp.scatter());
+    EXPECT_EQ(rp.k_in_place, kk + token * k::kTokenBytes);
+    EXPECT_EQ(rp.v_in_place, vv + token * k::kTokenBytes);
+    EXPECT_EQ(rp.device_end, rp.device_begin);
+    token += rp.round.num_tokens();
+  }
+  EXPECT_EQ(token, kTokens);
 }
 
 }  // namespace
