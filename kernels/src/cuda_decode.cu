@@ -372,6 +372,10 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, const NewTokenRows& rows,
                args.v_scale > 0)) {
     return Invalid("CudaDecoder::Run: fp8 pages need finite k_scale and v_scale > 0");
   }
+  if (args.layer_k_scales != nullptr &&
+      (!fp8 || args.layer_v_scales == nullptr || args.layer_pages < 1)) {
+    return Invalid("CudaDecoder::Run: layer scales need fp8 pages, both arrays and layer_pages >= 1");
+  }
   if (args.batch_size == 0) return KernelStatus::Ok();
   if (args.q == nullptr || args.output == nullptr || args.lse == nullptr) {
     return Invalid("CudaDecoder::Run: null q, output or lse");
@@ -436,7 +440,11 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, const NewTokenRows& rows,
   p.counters = d.counters;
   p.queue = d.counters + d.capacity.MaxGroups();
   p.done = p.queue + 1;
-  p.scale_log2 = args.sm_scale * 1.4426950408889634f * (fp8 ? args.k_scale : 1.0f);
+  // fp8 pages: the K scale is each item's (its layer's), folded in by the kernel.
+  p.scale_log2 = args.sm_scale * 1.4426950408889634f;
+  p.layer_k_scales = args.layer_k_scales;
+  p.layer_v_scales = args.layer_v_scales;
+  p.layer_pages = args.layer_pages;
   p.num_qo_heads = shape.num_qo_heads;
   p.num_kv_heads = shape.num_kv_heads;
   p.group = shape.group_size();

@@ -110,7 +110,9 @@ struct StageTag {
   int32_t last_len;
   int32_t slot;
   int32_t group;
-  int32_t unused[2];
+  // fp8 pages, the item's first stage only: the K and V scales of the item's layer.
+  float k_scale;
+  float v_scale;
 };
 
 struct KernelParams {
@@ -159,7 +161,19 @@ struct KernelParams {
   int32_t io_fp16;           // q, new rows and output in fp16 (else bf16); fp8 pages only
   float v_scale;             // fp8 pages: a stored V reads back as value * v_scale
   float k_scale;             // fp8 pages: the same for K (appends divide by it)
+  // fp8 pages of several layers (DecodeArgs::layer_k_scales): page p's scales are
+  // layer_k_scales[p / layer_pages] and layer_v_scales[...]; null: k_scale and v_scale.
+  const float* layer_k_scales;
+  const float* layer_v_scales;
+  int64_t layer_pages;
 };
+
+// The K and V scales of the layer that page `page` (an id) belongs to (fp8 pages).
+__device__ __forceinline__ float2 PageScales(const KernelParams& p, int page) {
+  if (p.layer_k_scales == nullptr) return make_float2(p.k_scale, p.v_scale);
+  const int64_t layer = page / p.layer_pages;
+  return make_float2(__ldg(p.layer_k_scales + layer), __ldg(p.layer_v_scales + layer));
+}
 
 // Shape accessors: constants for the default shape, launch parameters otherwise.
 template <class C>
@@ -380,8 +394,14 @@ __device__ __forceinline__ void IssueStagePages(const KernelParams& p, SharedSto
   const uint32_t dst = ptx::SmemAddr(s.stage[stage]);
   const uint32_t page_bytes = static_cast<uint32_t>(p.page_size) * C::kRowBytes;
   const uint32_t q_bytes = static_cast<uint32_t>(p.group) * C::kHeadDim * 2;
+  float2 scales = make_float2(1.0f, 1.0f);
+  if (C::kFp8 && first) scales = PageScales(p, pages[0]);  // before the wait: its load in flight
   ptx::MbarWait(ptx::SmemAddr(&s.empty[stage]), ring.phase ^ 1);
   WriteTag(s, stage, index, it, num_stages, last_valid);
+  if (C::kFp8 && first) {
+    s.tag[stage].k_scale = scales.x;
+    s.tag[stage].v_scale = scales.y;
+  }
   ptx::MbarArriveExpectTx(full, 2 * C::kBoxes * page_bytes * n + (first ? q_bytes : 0));
   for (int j = 0; j < n; ++j) {
 #pragma unroll
@@ -463,7 +483,8 @@ __device__ __forceinline__ void StoreNewRow(const KernelParams& p, const WorkIte
   if (HoldsNewRow<C>(lane)) {
     if constexpr (C::kFp8) {
       uint8_t* dst = reinterpret_cast<uint8_t*>(lane < 16 ? p.k_out : p.v_out) + elem;
-      const float scale = lane < 16 ? p.k_scale : p.v_scale;
+      const float2 scales = PageScales(p, page);
+      const float scale = lane < 16 ? scales.x : scales.y;
 #pragma unroll
       for (int i = 0; i < NewRow<C>::kVecs; ++i) {
         reinterpret_cast<uint2*>(dst)[(lane & 15) * NewRow<C>::kVecs + i] =
@@ -961,7 +982,7 @@ __device__ void Merge(const KernelParams& p, SharedStorage<C>& s, MergeGroup grp
 template <class C>
 __device__ void Finalize(const KernelParams& p, SharedStorage<C>& s, const StageTag& it,
                          int64_t row0, int warp, int lane, const float (&o)[C::kNTiles][2],
-                         float m, float l) {
+                         float m, float l, float v_scale) {
   const int g = lane >> 2;
   const int quad = lane & 3;
   const int tid = warp * 32 + lane;
@@ -977,7 +998,7 @@ __device__ void Finalize(const KernelParams& p, SharedStorage<C>& s, const Stage
       }
     } else {
       // o[2c] holds dims 16c + 4 quad and + 2, o[2c + 1] dims 16c + 4 quad + 1 and + 3.
-      const float vs = p.v_scale;
+      const float vs = v_scale;
 #pragma unroll
       for (int c = 0; c < C::kNTiles / 2; ++c) {
         *reinterpret_cast<float4*>(&s.scratch_o[warp][g][16 * c + 4 * quad]) =
@@ -1117,6 +1138,9 @@ __device__ void Consume(const KernelParams& p, SharedStorage<C>& s, int warp, in
   float m = -INFINITY;
   float l = 0.0f;
   uint32_t qa[C::kKSteps][2];
+  // The item's softmax scale in base 2 (fp8 pages: its layer's K scale folded in) and V scale.
+  float scale_log2 = p.scale_log2;
+  float v_scale = 1.0f;
   const bool timed = p.timeline != nullptr;
   unsigned long long items = 0, pages = 0, finish_ns = 0, wait_ns = 0;
   if (timed && tid == 0) s.merges = 0;
@@ -1141,6 +1165,10 @@ __device__ void Consume(const KernelParams& p, SharedStorage<C>& s, int warp, in
         m = -INFINITY;
         l = 0.0f;
         LoadQuery<C>(p, ptx::SmemAddr(s.q[stage]), Group<C>(p), lane, qa);
+        if constexpr (C::kFp8) {
+          scale_log2 = p.scale_log2 * it.k_scale;
+          v_scale = it.v_scale;
+        }
       }
       const int last = kAppends ? it.last_len & kLastLenMask : it.last_len;
       const int valid = it.page == it.num_pages - 1 ? last : kStageTokens;
@@ -1152,7 +1180,7 @@ __device__ void Consume(const KernelParams& p, SharedStorage<C>& s, int warp, in
           __syncwarp();
         }
         ProcessTile<C>(ptx::SmemAddr(s.stage[stage]), qa, warp, lane, valid, tail && !in_shared,
-                       p.scale_log2, o, m, l);
+                       scale_log2, o, m, l);
         if (in_shared) ptx::FenceProxyAsync();
       }
     }
@@ -1164,7 +1192,7 @@ __device__ void Consume(const KernelParams& p, SharedStorage<C>& s, int warp, in
     }
     if (it.page >= 0 && it.page == it.num_pages - 1) {
       last_page_time = StampTime(p);
-      Finalize<C>(p, s, it, row0, warp, lane, o, m, l);
+      Finalize<C>(p, s, it, row0, warp, lane, o, m, l, v_scale);
       if (timed) {
         ++items;
         finish_ns += GlobalTimer() - last_page_time;

@@ -93,11 +93,13 @@ class PieceSorter {
 };
 
 // The pieces of a round's rows in the arena, in RowRuns' order (q rows, K rows, V rows).
-void SortRowPieces(const BackendBatch& batch, const Round& r, TokenCursor cursor,
-                   const RoundLayout& l, PieceSorter* sorter) {
+void SortRowPieces(const kernels::Shape& model, const BackendBatch& batch, const Round& r,
+                   TokenCursor cursor, const RoundLayout& l, PieceSorter* sorter) {
+  const int64_t q_bytes = model.query_bytes();
+  const int64_t row_elems = model.token_elems();
+  const int64_t row_bytes = model.token_bytes();
   for (int32_t s = 0; s < r.num_sequences(); ++s) {
-    sorter->Add(batch.q[r.seq_begin + s], l.q + int64_t{s} * kernels::kQueryBytes,
-                kernels::kQueryBytes);
+    sorter->Add(batch.q[r.seq_begin + s], l.q + int64_t{s} * q_bytes, q_bytes);
   }
   for (const bool k_side : {true, false}) {
     TokenCursor c = cursor;
@@ -106,8 +108,8 @@ void SortRowPieces(const BackendBatch& batch, const Round& r, TokenCursor cursor
     while (done < r.num_tokens()) {
       const TokenWrite& w = batch.writes[c.write];
       const int64_t n = std::min<int64_t>(r.num_tokens() - done, w.num_tokens - c.offset);
-      const uint16_t* src = (k_side ? w.k : w.v) + int64_t{c.offset} * kernels::kTokenElems;
-      sorter->Add(src, base + done * kernels::kTokenBytes, n * kernels::kTokenBytes);
+      const uint16_t* src = (k_side ? w.k : w.v) + int64_t{c.offset} * row_elems;
+      sorter->Add(src, base + done * row_bytes, n * row_bytes);
       done += n;
       c.offset += static_cast<int32_t>(n);
       if (c.offset == w.num_tokens) {
@@ -119,13 +121,14 @@ void SortRowPieces(const BackendBatch& batch, const Round& r, TokenCursor cursor
 }
 
 // The pieces of a batch's outputs in the output buffer, in OutputRuns' order.
-void SortOutputPieces(const BackendBatch& batch, PieceSorter* sorter) {
+void SortOutputPieces(const kernels::Shape& model, const BackendBatch& batch,
+                      PieceSorter* sorter) {
   const int32_t b = batch.plan.batch_size();
   for (int32_t i = 0; i < b; ++i) {
-    sorter->Add(batch.output[i], int64_t{i} * kernels::kQueryBytes, kernels::kQueryBytes);
+    sorter->Add(batch.output[i], int64_t{i} * model.query_bytes(), model.query_bytes());
   }
   for (int32_t i = 0; i < b; ++i) {
-    sorter->Add(batch.lse[i], LseOffset(b) + i * kernels::kLseBytes, kernels::kLseBytes);
+    sorter->Add(batch.lse[i], LseOffset(model, b) + i * model.lse_bytes(), model.lse_bytes());
   }
 }
 
@@ -139,6 +142,7 @@ absl::Status Straddling(absl::string_view what) {
 absl::Status PlanLaunch(const BackendBatch& batch, const StagingCapacity& capacity,
                         const LaunchPlanOptions& options, LaunchPlan* plan) {
   const kernels::Plan& kp = batch.plan;
+  const kernels::Shape& model = capacity.model;
   plan->rounds.clear();
   plan->indptr.clear();
   plan->row_runs.clear();
@@ -170,13 +174,13 @@ absl::Status PlanLaunch(const BackendBatch& batch, const StagingCapacity& capaci
         }
       }
     }
-    rp.layout = LayoutRound(ns, rp.kv_indices, r.num_copies(), r.num_tokens(),
+    rp.layout = LayoutRound(model, ns, rp.kv_indices, r.num_copies(), r.num_tokens(),
                             capacity.plan_bytes);
     rp.cursor = cursor;
     bool sorted = false;
     if (registered) {
       PieceSorter sorter(options, &plan->scratch_runs, &plan->scratch_device);
-      SortRowPieces(batch, r, cursor, rp.layout, &sorter);
+      SortRowPieces(model, batch, r, cursor, rp.layout, &sorter);
       if (sorter.straddles()) return Straddling("q, k or v");
       if (sorter.registered()) {
         sorted = true;
@@ -191,7 +195,7 @@ absl::Status PlanLaunch(const BackendBatch& batch, const StagingCapacity& capaci
     // An empty list of runs (a round of page copies only) counts as direct: only its tables
     // travel, in one copy.
     if (!sorted) {
-      rp.direct_rows = RowRuns(batch, r.seq_begin, ns, r.num_tokens(), cursor, rp.layout,
+      rp.direct_rows = RowRuns(model, batch, r.seq_begin, ns, r.num_tokens(), cursor, rp.layout,
                                &plan->scratch_runs, max_runs) &&
                        InRing(plan->scratch_runs, options);
     }
@@ -202,7 +206,7 @@ absl::Status PlanLaunch(const BackendBatch& batch, const StagingCapacity& capaci
       rp.runs_end = static_cast<int32_t>(plan->row_runs.size());
     }
     rp.kernel_appends = options.kernel_appends && ns > 0 &&
-                        KernelAppendRows(batch, r, &plan->scratch_rows);
+                        KernelAppendRows(model, batch, r, &plan->scratch_rows);
     if (rp.kernel_appends) {
       rp.append_begin = static_cast<int64_t>(plan->append_rows.size());
       plan->append_rows.insert(plan->append_rows.end(), plan->scratch_rows.begin(),
@@ -217,7 +221,7 @@ absl::Status PlanLaunch(const BackendBatch& batch, const StagingCapacity& capaci
   plan->output = OutputMode::kCopyAndUnpack;
   if (b > 0 && registered) {
     PieceSorter sorter(options, &plan->out_runs, &plan->out_device_runs);
-    SortOutputPieces(batch, &sorter);
+    SortOutputPieces(model, batch, &sorter);
     if (sorter.straddles()) return Straddling("output or lse");
     if (sorter.registered()) {
       if (plan->out_runs.empty() && plan->out_device_runs.size() == 1 &&
@@ -235,7 +239,7 @@ absl::Status PlanLaunch(const BackendBatch& batch, const StagingCapacity& capaci
     plan->out_runs.clear();
     plan->out_device_runs.clear();
   }
-  if (b > 0 && OutputRuns(batch, &plan->out_runs, max_runs) && InRing(plan->out_runs, options)) {
+  if (b > 0 && OutputRuns(model, batch, &plan->out_runs, max_runs) && InRing(plan->out_runs, options)) {
     plan->output = plan->out_runs.size() == 1 && options.kernel_writes_outputs
                        ? OutputMode::kKernelWrites
                        : OutputMode::kCopyToBlocks;
