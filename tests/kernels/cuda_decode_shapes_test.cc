@@ -74,6 +74,28 @@ struct HostBatch {
   }
 };
 
+// A host batch's inputs copied to the device, and room for its outputs (NaN until written).
+struct DeviceBatch {
+  DeviceBuffer q, k, v, indices, out, lse;
+  DecodeArgs args;  // the batch's, pointing here
+  explicit DeviceBatch(const HostBatch& b)
+      : q(b.q.size()), k(b.k.size()), v(b.v.size()), indices(b.indices.size() * 4),
+        out(b.size() * b.shape.query_bytes()), lse(b.size() * b.shape.lse_bytes()) {
+    Upload(q, b.q.data(), b.q.size());
+    Upload(k, b.k.data(), b.k.size());
+    Upload(v, b.v.data(), b.v.size());
+    Upload(indices, b.indices.data(), b.indices.size() * 4);
+    EXPECT_EQ(cudaMemset(out.p, 0xff, b.size() * b.shape.query_bytes()), cudaSuccess);
+    args = b.HostArgs();
+    args.q = q.p;
+    args.k_cache = k.p;
+    args.v_cache = v.p;
+    args.kv_indices = static_cast<const int32_t*>(indices.p);
+    args.output = out.p;
+    args.lse = static_cast<float*>(lse.p);
+  }
+};
+
 // Random normal values, stored as the pages store them (fp8: quantized with the scale); NaN in
 // every slot of a last page past its sequence's last token.
 void Fill(HostBatch& b, std::mt19937& rng) {
@@ -238,31 +260,17 @@ TEST_F(CudaDecodeShapesTest, EverySupportedShapeMatchesTheFloat64Reference) {
       std::unique_ptr<CudaDecoder> decoder;
       KernelStatus st = CudaDecoder::Create(options, &decoder);
       ASSERT_TRUE(st.ok()) << st.message;
-      DeviceBuffer q(b.q.size()), k(b.k.size()), v(b.v.size());
-      DeviceBuffer indices(b.indices.size() * 4);
+      DeviceBatch dev(b);
       const size_t out_bytes = b.size() * shape.query_bytes();
-      DeviceBuffer out(out_bytes), lse(b.size() * shape.lse_bytes());
-      Upload(q, b.q.data(), b.q.size());
-      Upload(k, b.k.data(), b.k.size());
-      Upload(v, b.v.data(), b.v.size());
-      Upload(indices, b.indices.data(), b.indices.size() * 4);
-      ASSERT_EQ(cudaMemset(out.p, 0xff, out_bytes), cudaSuccess);  // NaN everywhere
-      DecodeArgs args = b.HostArgs();
-      args.q = q.p;
-      args.k_cache = k.p;
-      args.v_cache = v.p;
-      args.kv_indices = static_cast<const int32_t*>(indices.p);
-      args.output = out.p;
-      args.lse = static_cast<float*>(lse.p);
       st = decoder->Plan(b.indptr.data(), b.last.data(), b.size(), nullptr);
       ASSERT_TRUE(st.ok()) << st.message;
-      st = decoder->Run(args, nullptr);
+      st = decoder->Run(dev.args, nullptr);
       ASSERT_TRUE(st.ok()) << st.message;
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       std::vector<uint8_t> got(out_bytes);
       std::vector<float> got_lse(int64_t{b.size()} * shape.num_qo_heads);
-      ASSERT_EQ(cudaMemcpy(got.data(), out.p, out_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(got_lse.data(), lse.p, got_lse.size() * 4, cudaMemcpyDeviceToHost),
+      ASSERT_EQ(cudaMemcpy(got.data(), dev.out.p, out_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(got_lse.data(), dev.lse.p, got_lse.size() * 4, cudaMemcpyDeviceToHost),
                 cudaSuccess);
       Compare(b, got, got_lse, ref_out, ref_lse, label + (config == 0 ? "" : ", queued"));
     }
@@ -310,35 +318,23 @@ TEST_F(CudaDecodeShapesTest, AppendsWriteTheQuantizerOfTheCpu) {
     std::unique_ptr<CudaDecoder> decoder;
     KernelStatus st = CudaDecoder::Create(options, &decoder);
     ASSERT_TRUE(st.ok()) << st.message;
-    DeviceBuffer q(b.q.size()), k(b.k.size()), v(b.v.size()), indices(b.indices.size() * 4);
+    DeviceBatch dev(b);
     DeviceBuffer nk(new_k.size()), nv(new_v.size());
-    DeviceBuffer out(b.size() * shape.query_bytes()), lse(b.size() * shape.lse_bytes());
-    Upload(q, b.q.data(), b.q.size());
-    Upload(k, b.k.data(), b.k.size());
-    Upload(v, b.v.data(), b.v.size());
-    Upload(indices, b.indices.data(), b.indices.size() * 4);
     Upload(nk, new_k.data(), new_k.size());
     Upload(nv, new_v.data(), new_v.size());
-    DecodeArgs args = b.HostArgs();
-    args.q = q.p;
-    args.k_cache = k.p;
-    args.v_cache = v.p;
-    args.kv_indices = static_cast<const int32_t*>(indices.p);
-    args.output = out.p;
-    args.lse = static_cast<float*>(lse.p);
     NewTokenRows nr;
     nr.k = static_cast<const uint16_t*>(nk.p);
     nr.v = static_cast<const uint16_t*>(nv.p);
-    nr.k_cache = k.p;
-    nr.v_cache = v.p;
+    nr.k_cache = dev.k.p;
+    nr.v_cache = dev.v.p;
     st = decoder->Plan(b.indptr.data(), b.last.data(), b.size(), nullptr, append_rows.data());
     ASSERT_TRUE(st.ok()) << st.message;
-    st = decoder->Run(args, nr, nullptr);
+    st = decoder->Run(dev.args, nr, nullptr);
     ASSERT_TRUE(st.ok()) << st.message;
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     std::vector<uint8_t> got_k(b.k.size()), got_v(b.v.size());
-    ASSERT_EQ(cudaMemcpy(got_k.data(), k.p, got_k.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(got_v.data(), v.p, got_v.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(got_k.data(), dev.k.p, got_k.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(got_v.data(), dev.v.p, got_v.size(), cudaMemcpyDeviceToHost), cudaSuccess);
     EXPECT_TRUE(got_k == want.k) << "K pages differ from the CPU's quantizer";
     EXPECT_TRUE(got_v == want.v) << "V pages differ from the CPU's quantizer";
   }
