@@ -112,6 +112,22 @@ TEST(OutputLayoutTest, LseFollowsTheOutputRows) {
   EXPECT_EQ(LseOffset(k::Shape{}, 5) % 16, 0);
 }
 
+// Another model's shape sizes every part: Llama 3.1 8B in fp16 with fp8 pages (q 32 x 128 x 2
+// bytes, rows 8 x 128 x 2 as callers send them, lse 32 x 4).
+TEST(RoundLayoutTest, PartsFollowTheModelShape) {
+  const k::Shape m{32, 8, 128, 16, k::DType::kFp16, k::DType::kFp8E4m3};
+  const RoundLayout l = LayoutRound(m, 3, 7, 0, 5);
+  EXPECT_EQ(l.k_rows - l.q, 3 * 8192);
+  EXPECT_EQ(l.v_rows - l.k_rows, 5 * 2048);
+  EXPECT_EQ(l.indices - l.v_rows, 5 * 2048);
+  EXPECT_EQ(LseOffset(m, 3), 3 * 8192);
+  EXPECT_EQ(OutputBytes(m, 3), 3 * 8192 + 3 * 128);
+  const StagingCapacity c = StagingCapacity::For(
+      {.num_layers = 2, .num_pages = 100, .max_batch_size = 4, .model = m}, 16);
+  EXPECT_EQ(c.OutputBytes(), OutputBytes(m, 4));
+  EXPECT_EQ(c.ArenaBytes(), LayoutRound(m, 4, 200, 4, 16).bytes);
+}
+
 TEST(SplitRoundsTest, EmptyBatchHasNoRounds) {
   std::vector<Round> rounds(3);
   ASSERT_TRUE(SplitRounds(Cap(8, 8, 8, 8), 0, 0, {0}, &rounds).ok());
@@ -283,6 +299,23 @@ TEST(KernelAppendRowsTest, EachStepsTokenIsItsSequencesLastRow) {
   r.seq_end = 5;
   ASSERT_TRUE(KernelAppendRows(k::Shape{}, batch, r, &rows));
   EXPECT_EQ(rows, (std::vector<int32_t>{0, -1, 1}));
+}
+
+// A sequence's last slot is its last page * page_size + last_len - 1 in the model's pages.
+TEST(KernelAppendRowsTest, LastSlotsFollowThePageSize) {
+  const k::Shape m{32, 8, 128, 16, k::DType::kBf16, k::DType::kFp8E4m3};
+  BackendBatch batch;
+  batch.plan.kv_indices = {5, 9, 7};
+  batch.plan.kv_indptr = {0, 2, 3};
+  batch.plan.kv_last_page_len = {11, 16};
+  batch.write_slots = {9 * 16 + 10, 7 * 16 + 15};
+  batch.writes = {{nullptr, nullptr, 1, 0}, {nullptr, nullptr, 1, 1}};
+  batch.sequences_distinct = true;
+  std::vector<int32_t> rows;
+  ASSERT_TRUE(KernelAppendRows(m, batch, WholeBatch(batch), &rows));
+  EXPECT_EQ(rows, (std::vector<int32_t>{0, 1}));
+  // The same slots read in pages of 64 are no sequence's last.
+  EXPECT_FALSE(KernelAppendRows(k::Shape{}, batch, WholeBatch(batch), &rows));
 }
 
 TEST(KernelAppendRowsTest, OtherWritesNeedTheScatter) {
