@@ -154,7 +154,8 @@ CudaBackend::Options CudaOptionsFromFlags() {
 #endif
 
 // --num_pages, with 0 resolved for the chosen backend (printed when it comes from the device).
-absl::StatusOr<int64_t> ResolveNumPages(std::string_view backend_name) {
+absl::StatusOr<int64_t> ResolveNumPages(std::string_view backend_name,
+                                        const kernels::Shape& model) {
   const int64_t pages = absl::GetFlag(FLAGS_num_pages);
   if (pages < 0) return absl::InvalidArgumentError("--num_pages must be >= 0");
   if (pages > 0) return pages;
@@ -162,7 +163,8 @@ absl::StatusOr<int64_t> ResolveNumPages(std::string_view backend_name) {
   if (backend_name == "cuda") {
     const double fraction = absl::GetFlag(FLAGS_gpu_memory_fraction);
     absl::StatusOr<CudaBackend::MemoryFit> fit = CudaBackend::PagesThatFit(
-        CudaOptionsFromFlags(), absl::GetFlag(FLAGS_num_layers), absl::GetFlag(FLAGS_max_batch_size),
+        CudaOptionsFromFlags(), model, absl::GetFlag(FLAGS_num_layers),
+        absl::GetFlag(FLAGS_max_batch_size),
         fraction);
     if (!fit.ok()) return fit.status();
     constexpr double kGiB = 1 << 30;
@@ -173,6 +175,7 @@ absl::StatusOr<int64_t> ResolveNumPages(std::string_view backend_name) {
   }
 #else
   (void)backend_name;
+  (void)model;
 #endif
   return kCpuDefaultPages;
 }
@@ -325,7 +328,7 @@ int Serve() {
   if (!backend.ok()) return Fail("backend", backend.status());
   const std::string backend_name((*backend)->name());
 
-  absl::StatusOr<int64_t> num_pages = ResolveNumPages(backend_name);
+  absl::StatusOr<int64_t> num_pages = ResolveNumPages(backend_name, engine_options.model);
   if (!num_pages.ok()) return Fail("num_pages", num_pages.status());
   engine_options.num_pages = *num_pages;
   engine_options.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);

@@ -4,7 +4,11 @@
 # Run from the repository root on the GPU host with the binaries in .device/bin (built on a
 # development machine: cmake -S . -B build-kernels -DPAGEDATTN_KERNELS_ONLY=ON; copy
 # build-kernels/bin/* there), or set BIN. Logs go to $OUT (default /tmp/pagedattn-out).
-# Steps: "tests bench torch sanitizer" by default; pass a subset as arguments.
+# Steps: "tests bench torch sanitizer" by default; pass a subset as arguments. "shapes": the
+# kernel on other model shapes (SHAPES, default all five; KV_DTYPES, default "auto fp8_e4m3"),
+# each beside FlashInfer's batch decode when FI_BENCH names its harness binary and
+# FI_WORKLOADS_PS16 its page-16 workload file (the recorded workloads converted to pages of 16,
+# the same tokens per sequence); shapes_table.py merges them into $OUT/shapes.md.
 set -u
 OUT=${OUT:-/tmp/pagedattn-out}
 BIN=${BIN:-.device/bin}
@@ -40,6 +44,28 @@ if has bench && has torch; then
   cat "$OUT/table.md"
 elif has bench; then
   cat "$OUT/bench.log"
+fi
+if has shapes; then
+  echo "== shapes"
+  for shape in ${SHAPES:-mixtral_tp2 llama8b llama70b_tp8 qwen7b gemma9b}; do
+    for kv in ${KV_DTYPES:-auto fp8_e4m3}; do
+      tag="${shape}_${kv}"
+      timeout 500 "$BIN/pagedattn-kernel-bench" --shape "$shape" --kv-dtype "$kv" \
+        --out "$OUT/shape_$tag.jsonl" ${SHAPE_FLAGS:-} > "$OUT/shape_$tag.log" 2>&1
+      echo "$tag rc=$?" | tee -a "$OUT/shape_$tag.log"
+      tail -1 "$OUT/shape_$tag.log"
+      if [[ -n "${FI_BENCH:-}" ]]; then
+        fi_kv=(); [[ "$kv" == fp8_e4m3 ]] && fi_kv=(--kv-dtype fp8_e4m3)
+        fi_file=${FI_WORKLOADS_PS16:-}
+        [[ "$shape" == mixtral_tp2 ]] && fi_file=$PAGEDATTN_WORKLOADS
+        timeout 500 "$FI_BENCH" --shape "$shape" "${fi_kv[@]}" --max-pages-check 0 \
+          --csv "$OUT/fi_$tag.csv" --workloads "$fi_file" > "$OUT/fi_$tag.log" 2>&1
+        echo "fi $tag rc=$?" | tee -a "$OUT/fi_$tag.log"
+      fi
+    done
+  done
+  python3 kernels/bench/shapes_table.py "$OUT" > "$OUT/shapes.md" 2>&1
+  cat "$OUT/shapes.md"
 fi
 if has sanitizer; then
   echo "== sanitizer"

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "bench_common.cuh"
+#include "bench_shapes.cuh"
 #include "bench_floors.cuh"
 #include "bench_launch_sequence.cuh"
 #include "bench_timeline.cuh"
@@ -64,6 +65,9 @@ pt::Workload Synthetic(const std::string& name, const std::vector<int>& lengths,
 }  // namespace
 
 int Main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--shape") return RunShapes(argc, argv);
+  }
   std::string path = pt::DefaultWorkloadPath();
   std::string out_path = "kernel_bench.jsonl";
   int iters = 200;

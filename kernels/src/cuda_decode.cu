@@ -6,7 +6,7 @@
 #include <cstring>
 #include <string>
 
-#include "decode_kernel.cuh"
+#include "decode_kernel_sets.h"
 #include "pagedattn/kernels/cuda_decode.h"
 #include "pagedattn/kernels/decode_plan.h"
 
@@ -24,7 +24,33 @@ KernelStatus Invalid(std::string message) {
 
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// The kernels that serve `shape` (a supported one).
+detail::KernelSet KernelsFor(const Shape& shape) {
+  if (shape == Shape{}) return detail::DefaultKernels();
+  const detail::PageKind pages = shape.kv_dtype == DType::kFp8E4m3 ? detail::PageKind::kFp8
+                                 : shape.kv_dtype == DType::kFp16  ? detail::PageKind::kFp16
+                                                                   : detail::PageKind::kBf16;
+  switch (shape.head_dim) {
+    case 64: return detail::KernelsHeadDim64(pages);
+    case 128: return detail::KernelsHeadDim128(pages);
+    default: return detail::KernelsHeadDim256(pages);
+  }
+}
+
+CUtensorMapDataType TmaType(DType t) {
+  switch (t) {
+    case DType::kBf16: return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    case DType::kFp16: return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    case DType::kFp8E4m3: return CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  }
+  return CU_TENSOR_MAP_DATA_TYPE_UINT8;
+}
+
 }  // namespace
+
+namespace detail {
+KernelSet DefaultKernels() { return MakeKernelSet<DefaultConfig>(); }
+}  // namespace detail
 
 #define PA_RETURN_IF_CUDA_ERROR(expr, what)      \
   do {                                           \
@@ -34,6 +60,8 @@ bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 
 struct CudaDecoder::Impl {
   Options options;
+  detail::KernelSet kernels;
+  bool fixed = true;  // the default shape's build
   int device = 0;
   PlanCapacity capacity;
   CudaLoadPath path = CudaLoadPath::kTma;
@@ -68,11 +96,18 @@ struct CudaDecoder::Impl {
   }
 
   KernelStatus EncodeMap(const void* cache, int64_t num_pages, CUtensorMap* map) const {
-    // Dimensions innermost first: dim 128, head 4, token 64, page; strides in bytes.
-    const cuuint64_t dims[4] = {kHeadDim, kNumKvHeads, kPageSize,
+    // Dimensions innermost first: dim, head, token, page; strides in bytes. A box is one page
+    // of one head, box_dims of its dims (128 or 64 bytes: the swizzle span).
+    const Shape& sh = options.shape;
+    const cuuint64_t eb = static_cast<cuuint64_t>(DTypeBytes(sh.kv_dtype));
+    const cuuint64_t dims[4] = {static_cast<cuuint64_t>(sh.head_dim),
+                                static_cast<cuuint64_t>(sh.num_kv_heads),
+                                static_cast<cuuint64_t>(sh.page_size),
                                 static_cast<cuuint64_t>(num_pages)};
-    const cuuint64_t strides[3] = {kHeadDim * 2, kTokenElems * 2, kPageElems * 2};
-    const cuuint32_t box[4] = {64, 1, kPageSize, 1};
+    const cuuint64_t strides[3] = {sh.head_dim * eb, sh.token_elems() * eb,
+                                   sh.page_elems() * eb};
+    const cuuint32_t box[4] = {static_cast<cuuint32_t>(kernels.box_dims), 1,
+                               static_cast<cuuint32_t>(sh.page_size), 1};
     const cuuint32_t element_strides[4] = {1, 1, 1, 1};
     // 128-byte promotion: 256 measured 6% slower on the largest workloads.
     CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
@@ -82,10 +117,11 @@ struct CudaDecoder::Impl {
       case 256: promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B; break;
       default: break;
     }
-    const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(cache),
-                              dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                              CU_TENSOR_MAP_SWIZZLE_128B, promotion,
-                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    const CUtensorMapSwizzle swizzle =
+        kernels.row_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+    const CUresult r = encode(map, TmaType(sh.kv_dtype), 4, const_cast<void*>(cache), dims,
+                              strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              swizzle, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) {
       return KernelStatus::Error(KernelCode::kInternal,
                                  "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(r));
@@ -146,12 +182,15 @@ void CudaDecoder::SetTimelineForBenchmark(uint64_t* device_timeline) {
 
 int32_t CudaDecoder::num_ctas() const { return impl_->capacity.num_ctas; }
 int32_t CudaDecoder::threads_per_cta() const { return detail::kThreads; }
-size_t CudaDecoder::shared_memory_bytes() const { return detail::kSmemBytes; }
+size_t CudaDecoder::shared_memory_bytes() const { return impl_->kernels.smem_bytes; }
 CudaLoadPath CudaDecoder::load_path() const { return impl_->path; }
 int32_t CudaDecoder::max_batch_size() const { return impl_->capacity.max_batch_size; }
 
 KernelStatus CudaDecoder::Create(const Options& options, std::unique_ptr<CudaDecoder>* decoder) {
   if (decoder == nullptr) return Invalid("CudaDecoder::Create: null output");
+  if (KernelStatus s = ValidateShape(options.shape); !s.ok()) {
+    return Invalid("CudaDecoder::Create: " + s.message);
+  }
   if (options.max_batch_size < 1 || options.max_batch_size > (1 << 24)) {
     return Invalid("CudaDecoder::Create: max_batch_size outside 1..2^24");
   }
@@ -181,6 +220,8 @@ KernelStatus CudaDecoder::Create(const Options& options, std::unique_ptr<CudaDec
   if (KernelStatus s = CheckCudaDecodeDevice(device); !s.ok()) return s;
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  impl->kernels = KernelsFor(options.shape);
+  impl->fixed = options.shape == Shape{};
   impl->device = device;
   if (options.device >= 0) PA_RETURN_IF_CUDA_ERROR(cudaSetDevice(device), "cudaSetDevice");
   int sms = 0, smem_optin = 0;
@@ -190,17 +231,20 @@ KernelStatus CudaDecoder::Create(const Options& options, std::unique_ptr<CudaDec
   PA_RETURN_IF_CUDA_ERROR(
       cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, impl->device),
       "cudaDeviceGetAttribute");
-  if (static_cast<size_t>(smem_optin) < detail::kSmemBytes) {
+  const detail::KernelSet& ks = impl->kernels;
+  if (static_cast<size_t>(smem_optin) < ks.smem_bytes) {
     return KernelStatus::Error(KernelCode::kFailedPrecondition,
                                "device offers too little shared memory per block");
   }
-  for (const void* kernel : {reinterpret_cast<const void*>(detail::PagedDecodeKernel<true, false>),
-                             reinterpret_cast<const void*>(detail::PagedDecodeKernel<false, false>),
-                             reinterpret_cast<const void*>(detail::PagedDecodeKernel<true, true>),
-                             reinterpret_cast<const void*>(detail::PagedDecodeKernel<false, true>)}) {
-    PA_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(detail::kSmemBytes)),
-                            "cudaFuncSetAttribute");
+  for (const auto& by_path : ks.decode) {
+    for (detail::DecodeFn kernel : by_path) {
+      if (kernel == nullptr) continue;
+      PA_RETURN_IF_CUDA_ERROR(
+          cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(ks.smem_bytes)),
+          "cudaFuncSetAttribute");
+    }
   }
 
   impl->capacity.num_ctas = options.num_ctas > 0 ? options.num_ctas : std::min(sms, kMaxPlanCtas);
@@ -208,6 +252,8 @@ KernelStatus CudaDecoder::Create(const Options& options, std::unique_ptr<CudaDec
   impl->capacity.parts_per_cta = options.tuning.parts_per_cta;
   impl->capacity.min_part_units = options.tuning.min_part_units;
   impl->capacity.item_cost_units = options.tuning.item_cost_pages;
+  impl->capacity.num_kv_heads = options.shape.num_kv_heads;
+  impl->capacity.page_size = options.shape.page_size;
   impl->path = options.load_path;
   if (impl->path == CudaLoadPath::kTma) {
     void* fn = nullptr;
@@ -221,6 +267,12 @@ KernelStatus CudaDecoder::Create(const Options& options, std::unique_ptr<CudaDec
       impl->encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
     }
   }
+  if (!impl->fixed && impl->path != CudaLoadPath::kTma) {
+    return KernelStatus::Error(KernelCode::kFailedPrecondition,
+                               "CudaDecoder::Create: shapes other than " +
+                                   DescribeShape(Shape{}) +
+                                   " need the TMA load path, which is unavailable or not chosen");
+  }
 
   const PlanCapacity& cap = impl->capacity;
   auto exhausted = [](const char* what, cudaError_t e) {
@@ -233,10 +285,10 @@ KernelStatus CudaDecoder::Create(const Options& options, std::unique_ptr<CudaDec
   e = cudaMalloc(&impl->dev_table, cap.TableBytes());
   if (e != cudaSuccess) return exhausted("cudaMalloc (plan tables)", e);
   e = cudaMalloc(reinterpret_cast<void**>(&impl->part_o),
-                 cap.MaxSlots() * detail::kPartialFloats * sizeof(float));
+                 cap.MaxSlots() * ks.partial_floats * sizeof(float));
   if (e != cudaSuccess) return exhausted("cudaMalloc (partial outputs)", e);
   e = cudaMalloc(reinterpret_cast<void**>(&impl->part_lse),
-                 cap.MaxSlots() * kGroupSize * sizeof(float));
+                 cap.MaxSlots() * ks.max_group * sizeof(float));
   if (e != cudaSuccess) return exhausted("cudaMalloc (partial lse)", e);
   // The merge counters, the part queue's two counters, the merge kernel's per-group counts of
   // merged units.
@@ -310,9 +362,19 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, const NewTokenRows& rows,
     return Invalid("CudaDecoder::Run: batch_size " + std::to_string(args.batch_size) +
                    " differs from the planned " + std::to_string(d.plan.batch_size));
   }
-  if (args.shape != Shape{}) {
-    return Invalid("CudaDecoder::Run: the kernel is built for " + DescribeShape(Shape{}) +
-                   " only, not " + DescribeShape(args.shape));
+  const Shape& shape = d.options.shape;
+  if (args.shape != shape) {
+    return Invalid("CudaDecoder::Run: the decoder serves " + DescribeShape(shape) + ", not " +
+                   DescribeShape(args.shape));
+  }
+  const bool fp8 = shape.kv_dtype == DType::kFp8E4m3;
+  if (fp8 && !(std::isfinite(args.k_scale) && args.k_scale > 0 && std::isfinite(args.v_scale) &&
+               args.v_scale > 0)) {
+    return Invalid("CudaDecoder::Run: fp8 pages need finite k_scale and v_scale > 0");
+  }
+  if (args.layer_k_scales != nullptr &&
+      (!fp8 || args.layer_v_scales == nullptr || args.layer_pages < 1)) {
+    return Invalid("CudaDecoder::Run: layer scales need fp8 pages, both arrays and layer_pages >= 1");
   }
   if (args.batch_size == 0) return KernelStatus::Ok();
   if (args.q == nullptr || args.output == nullptr || args.lse == nullptr) {
@@ -358,15 +420,16 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, const NewTokenRows& rows,
     p.v_map = d.v_map;
   }
   const char* table = static_cast<const char*>(d.run_dev_table);
-  // The shape above is bf16 throughout.
+  // 16-bit values travel as their bit patterns; fp8 pages are read through the tensor maps and
+  // written as bytes (k_out, v_out).
   p.q = static_cast<const uint16_t*>(args.q);
   p.k_cache = static_cast<const uint16_t*>(args.k_cache);
   p.v_cache = static_cast<const uint16_t*>(args.v_cache);
   p.kv_indices = args.kv_indices;
   p.new_k = rows.k;
   p.new_v = rows.v;
-  p.k_out = rows.k_cache;
-  p.v_out = rows.v_cache;
+  p.k_out = static_cast<uint16_t*>(rows.k_cache);
+  p.v_out = static_cast<uint16_t*>(rows.v_cache);
   p.output = static_cast<uint16_t*>(args.output);
   p.lse = args.lse;
   p.header = reinterpret_cast<const PlanHeader*>(table);
@@ -377,7 +440,19 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, const NewTokenRows& rows,
   p.counters = d.counters;
   p.queue = d.counters + d.capacity.MaxGroups();
   p.done = p.queue + 1;
+  // fp8 pages: the K scale is each item's (its layer's), folded in by the kernel.
   p.scale_log2 = args.sm_scale * 1.4426950408889634f;
+  p.layer_k_scales = args.layer_k_scales;
+  p.layer_v_scales = args.layer_v_scales;
+  p.layer_pages = args.layer_pages;
+  p.num_qo_heads = shape.num_qo_heads;
+  p.num_kv_heads = shape.num_kv_heads;
+  p.group = shape.group_size();
+  p.page_size = shape.page_size;
+  p.pages_per_stage = detail::kStageTokens / shape.page_size;
+  p.io_fp16 = shape.dtype == DType::kFp16 ? 1 : 0;
+  p.k_scale = fp8 ? args.k_scale : 1.0f;
+  p.v_scale = fp8 ? args.v_scale : 1.0f;
   p.skip_attention = d.options.tuning.skip_attention ? 1 : 0;
   using Merge = CudaDecoderTuning::Merge;
   const Merge mode = d.options.tuning.merge;
@@ -397,19 +472,15 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, const NewTokenRows& rows,
                 sizeof(WorkItem) * d.capacity.num_ctas);
   }
 
-  const dim3 grid(d.capacity.num_ctas);
-  const dim3 block(detail::kThreads);
   const bool appends = d.plan.num_appends > 0;
-  if (tma && appends) {
-    detail::PagedDecodeKernel<true, true><<<grid, block, detail::kSmemBytes, stream>>>(p);
-  } else if (tma) {
-    detail::PagedDecodeKernel<true, false><<<grid, block, detail::kSmemBytes, stream>>>(p);
-  } else if (appends) {
-    detail::PagedDecodeKernel<false, true><<<grid, block, detail::kSmemBytes, stream>>>(p);
-  } else {
-    detail::PagedDecodeKernel<false, false><<<grid, block, detail::kSmemBytes, stream>>>(p);
-  }
-  PA_RETURN_IF_CUDA_ERROR(cudaGetLastError(), "decode kernel launch");
+  cudaLaunchConfig_t decode_config = {};
+  decode_config.gridDim = dim3(d.capacity.num_ctas);
+  decode_config.blockDim = dim3(detail::kThreads);
+  decode_config.dynamicSmemBytes = d.kernels.smem_bytes;
+  decode_config.stream = stream;
+  PA_RETURN_IF_CUDA_ERROR(
+      cudaLaunchKernelEx(&decode_config, d.kernels.decode[tma ? 1 : 0][appends ? 1 : 0], p),
+      "decode kernel launch");
   if (!merge_kernel || d.plan.num_groups == 0) return KernelStatus::Ok();
 
   detail::MergeParams mp;
@@ -425,6 +496,10 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, const NewTokenRows& rows,
   mp.end_stamp = d.timeline == nullptr ? nullptr
                  : reinterpret_cast<unsigned long long*>(d.timeline) +
                        detail::kTimelineSlots * d.capacity.num_ctas;
+  mp.num_qo_heads = p.num_qo_heads;
+  mp.num_kv_heads = p.num_kv_heads;
+  mp.group = p.group;
+  mp.io_fp16 = p.io_fp16;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(d.capacity.num_ctas);
   config.blockDim = dim3(detail::kMergeThreads);
@@ -436,7 +511,7 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, const NewTokenRows& rows,
     config.attrs = &attribute;
     config.numAttrs = 1;
   }
-  PA_RETURN_IF_CUDA_ERROR(cudaLaunchKernelEx(&config, detail::MergeKernel, mp),
+  PA_RETURN_IF_CUDA_ERROR(cudaLaunchKernelEx(&config, d.kernels.merge, mp),
                           "merge kernel launch");
   return KernelStatus::Ok();
 }

@@ -12,6 +12,13 @@ int64_t SequenceTokens(const DecodeArgs& args, int32_t b) {
   return (pages - 1) * args.shape.page_size + args.kv_last_page_len[b];
 }
 
+KvScales SequenceScales(const DecodeArgs& args, int32_t b) {
+  if (args.layer_k_scales == nullptr) return KvScales{args.k_scale, args.v_scale};
+  if (args.kv_indptr[b + 1] == args.kv_indptr[b] || args.layer_pages <= 0) return KvScales{};
+  const int64_t layer = args.kv_indices[args.kv_indptr[b]] / args.layer_pages;
+  return KvScales{args.layer_k_scales[layer], args.layer_v_scales[layer]};
+}
+
 namespace {
 
 // Element offset of token t's row for KV head h in a cache, following the sequence's pages.
@@ -43,6 +50,7 @@ void DecodeItems(const DecodeArgs& args, int64_t begin, int64_t end) {
     const int32_t* pages = args.kv_indices + args.kv_indptr[b];
     const int64_t first_row = int64_t{b} * shape.num_qo_heads + int64_t{kvh} * group;
 
+    const KvScales scales = SequenceScales(args, b);
     float q[kMaxGroupSize][HeadDim];
     float acc[kMaxGroupSize][HeadDim];
     float running_max[kMaxGroupSize];
@@ -52,7 +60,7 @@ void DecodeItems(const DecodeArgs& args, int64_t begin, int64_t end) {
     for (int g = 0; g < group; ++g) {
       const int64_t at = (first_row + g) * HeadDim;
       for (int d = 0; d < HeadDim; ++d) {
-        q[g][d] = Load<QT>(args.q, at + d) * args.sm_scale * kLog2e * args.k_scale;
+        q[g][d] = Load<QT>(args.q, at + d) * args.sm_scale * kLog2e * scales.k;
         acc[g][d] = 0.0f;
       }
       running_max[g] = -std::numeric_limits<float>::infinity();
@@ -89,7 +97,7 @@ void DecodeItems(const DecodeArgs& args, int64_t begin, int64_t end) {
         args.lse[row] = -std::numeric_limits<float>::infinity();
         continue;
       }
-      const float inv = args.v_scale / running_sum[g];
+      const float inv = scales.v / running_sum[g];
       for (int d = 0; d < HeadDim; ++d) {
         StoreElem(QT, args.output, row * HeadDim + d, acc[g][d] * inv);
       }
@@ -129,9 +137,10 @@ void DecodeCpuItems(const DecodeArgs& args, int64_t begin, int64_t end) {
 void DecodeReferenceF64(const DecodeArgs& args, double* out, double* lse) {
   const Shape& shape = args.shape;
   const int hd = shape.head_dim;
-  const auto key = [&](int64_t i) { return double{LoadElem(shape.kv_dtype, args.k_cache, i)} * args.k_scale; };
-  const auto value = [&](int64_t i) { return double{LoadElem(shape.kv_dtype, args.v_cache, i)} * args.v_scale; };
   for (int32_t b = 0; b < args.batch_size; ++b) {
+    const KvScales scales = SequenceScales(args, b);
+    const auto key = [&](int64_t i) { return double{LoadElem(shape.kv_dtype, args.k_cache, i)} * scales.k; };
+    const auto value = [&](int64_t i) { return double{LoadElem(shape.kv_dtype, args.v_cache, i)} * scales.v; };
     const int64_t tokens = SequenceTokens(args, b);
     const int32_t* pages = args.kv_indices + args.kv_indptr[b];
     for (int h = 0; h < shape.num_qo_heads; ++h) {

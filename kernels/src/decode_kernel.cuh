@@ -12,10 +12,21 @@
 //               through shared memory and either write the output or a partial result that
 //               MergeKernel merges (by default; or the last piece's CTA: merge_mode).
 // The stages form a ring of kStages buffers with a full and an empty mbarrier each.
+//
+// Shapes (Config below): the description above is the default shape (24/4/128, pages of 64,
+// bf16), built with every size a constant. Other shapes are built per head dim and page type:
+// a stage still holds 64 tokens of one KV head (64 / page_size pages, one TMA box per page and
+// 128 bytes of dims), the item's query heads (1..8) fill rows 0..group-1 of A, and head counts
+// and page size come from the launch parameters. fp8 pages are multiplied in fp16 (every e4m3
+// value is an fp16 value): K rows feed the MMA with their dims permuted within each 16 (the
+// query's fragments follow the same permutation), V's transposed fragments split into even and
+// odd dims (the output's order is restored when it is written). k_scale is folded into the
+// softmax scale, v_scale into the output.
 #pragma once
 
 #include <cuda.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 
@@ -25,18 +36,58 @@
 
 namespace pagedattn::kernels::detail {
 
-inline constexpr int kStages = 6;
 inline constexpr int kConsumerWarps = 4;
 inline constexpr int kConsumerThreads = kConsumerWarps * 32;
 inline constexpr int kThreads = kConsumerThreads + 32;
-inline constexpr int kTokensPerWarp = kPageSize / kConsumerWarps;  // 16
-inline constexpr int kHalfBytes = kPageSize * 64 * 2;              // one TMA box: 64 tokens x 64 dims
-inline constexpr int kStageBytes = 4 * kHalfBytes;                 // K lo, K hi, V lo, V hi
-inline constexpr int kQBytes = kGroupSize * kHeadDim * 2;          // 6 query heads, bf16
-inline constexpr int kPageBytes = static_cast<int>(kPageElems * 2);  // one page of K (or V)
-inline constexpr int kPartialFloats = kGroupSize * kHeadDim;       // one slot of partial output
+inline constexpr int kStageTokens = 64;                            // tokens of one stage
+inline constexpr int kTokensPerWarp = kStageTokens / kConsumerWarps;  // 16
 inline constexpr uint32_t kConsumerBarrier = 1;                    // named barrier of warps 0..3
-inline constexpr int kMergeRound = 3;  // pieces per warp whose loads a merge round keeps in flight
+inline constexpr int kSmemLimit = 227 * 1024;                      // a Hopper block's opt-in
+
+// The element type of the pages, which decides the MMA's: bf16 pages multiply in bf16, fp16
+// and fp8 pages in fp16.
+enum class PageKind { kBf16, kFp16, kFp8 };
+
+// What a build of the kernel fixes at compile time. kFixed: the default shape (decode.h), every
+// size a constant; else head counts, group and page size are KernelParams fields.
+template <int kHeadDimT, PageKind kPagesT, bool kFixedT = false>
+struct Config {
+  static constexpr int kHeadDim = kHeadDimT;
+  static constexpr PageKind kPages = kPagesT;
+  static constexpr bool kFixed = kFixedT;
+  static constexpr bool kFp8 = kPages == PageKind::kFp8;
+  static constexpr bool kF16Math = kPages != PageKind::kBf16;
+  static constexpr int kMaxGroup = kFixed ? kGroupSize : kMaxGroupSize;
+  static constexpr int kElemBytes = kFp8 ? 1 : 2;
+  // A stage holds K then V, each as boxes of 64 token rows of kRowBytes (128, or 64 for fp8
+  // pages of head dim 64), swizzled like TMA's 128-byte (64-byte) swizzle.
+  static constexpr int kRowBytes = kHeadDim * kElemBytes >= 128 ? 128 : 64;
+  static constexpr int kBoxDims = kRowBytes / kElemBytes;
+  static constexpr int kBoxes = kHeadDim / kBoxDims;
+  static constexpr int kBoxBytes = kStageTokens * kRowBytes;
+  static constexpr int kHalfBytes = kBoxes * kBoxBytes;  // the K (or V) of a stage
+  static constexpr int kStageBytes = 2 * kHalfBytes;
+  static constexpr int kChunksPerRow = kRowBytes / 16;
+  static constexpr int kKSteps = kHeadDim / 16;   // MMA k-steps of S = Q K^T
+  static constexpr int kNTiles = kHeadDim / 8;    // n-tiles of O
+  static constexpr int kQBytes = kMaxGroup * kHeadDim * 2;    // the query heads of a KV head
+  static constexpr int kPartialFloats = kMaxGroup * kHeadDim; // one slot of partial output
+  // Dims per thread where 128 threads share a row (CombineWarps, MergeKernel), and per lane
+  // where 32 lanes do (Merge).
+  static constexpr int kDimsPerThread = kHeadDim >= kConsumerThreads ? kHeadDim / kConsumerThreads : 1;
+  static constexpr int kDimsPerLane = kHeadDim / 32;
+  // Pieces per warp whose loads an in-kernel merge round keeps in flight: fewer where a piece
+  // is larger (more query heads, more dims), so that the round's registers do not spill.
+  static constexpr int kMergeRound = kFixed ? 3 : (kHeadDim >= 256 ? 1 : 2);
+  // Stages: 6 for the default shape; else as many as fit beside the rest (at most 8).
+  static constexpr int kRestBytes = 4 * kConsumerWarps * kMaxGroup * (kHeadDim + 2) + 64 + 1024;
+  static constexpr int kStages =
+      kFixed ? 6 : ((kSmemLimit - kRestBytes) / (kStageBytes + kQBytes + 48) < 8
+                        ? (kSmemLimit - kRestBytes) / (kStageBytes + kQBytes + 48)
+                        : 8);
+  static_assert(kStages >= 2, "fewer than two stages fit in shared memory");
+};
+using DefaultConfig = Config<kHeadDim, PageKind::kBf16, true>;
 // Arrivals that complete a full barrier: TMA: the producer's arrive.expect_tx; cp.async: the 32
 // lanes' copy completions and lane 0's own arrival after it wrote the stage's tag.
 inline constexpr uint32_t kFullArrivalsTma = 1;
@@ -59,11 +110,15 @@ struct StageTag {
   int32_t last_len;
   int32_t slot;
   int32_t group;
-  int32_t unused[2];
+  // fp8 pages, the item's first stage only: the K and V scales of the item's layer.
+  float k_scale;
+  float v_scale;
 };
 
 struct KernelParams {
-  CUtensorMap k_map;  // k_cache as [pages][64 tokens][4 heads][128 dims] bf16, box 64x1x64x1
+  // k_cache as [pages][page_size tokens][kv heads][head_dim], box kBoxDims x 1 x page_size x 1
+  // (the default: [pages][64][4][128] bf16, box 64x1x64x1).
+  CUtensorMap k_map;
   CUtensorMap v_map;  // v_cache, the same
   const uint16_t* q;           // [batch, 24, 128] bf16
   const uint16_t* k_cache;     // [pages, 64, 4, 128] bf16 (cp.async path)
@@ -96,22 +151,69 @@ struct KernelParams {
   int32_t first_from_params;
   int32_t num_parts;
   WorkItem first[kMaxPlanCtas];  // benchmarking only: [ctas][4] %globaltimer stamps, or null
+  // Shapes other than the default (Config::kFixed false) read these; the default's kernel
+  // uses the constants of decode.h.
+  int32_t num_qo_heads;
+  int32_t num_kv_heads;
+  int32_t group;             // num_qo_heads / num_kv_heads, 1..8
+  int32_t page_size;         // 16, 32 or 64
+  int32_t pages_per_stage;   // 64 / page_size
+  int32_t io_fp16;           // q, new rows and output in fp16 (else bf16); fp8 pages only
+  float v_scale;             // fp8 pages: a stored V reads back as value * v_scale
+  float k_scale;             // fp8 pages: the same for K (appends divide by it)
+  // fp8 pages of several layers (DecodeArgs::layer_k_scales): page p's scales are
+  // layer_k_scales[p / layer_pages] and layer_v_scales[...]; null: k_scale and v_scale.
+  const float* layer_k_scales;
+  const float* layer_v_scales;
+  int64_t layer_pages;
 };
 
+// The K and V scales of the layer that page `page` (an id) belongs to (fp8 pages).
+__device__ __forceinline__ float2 PageScales(const KernelParams& p, int page) {
+  if (p.layer_k_scales == nullptr) return make_float2(p.k_scale, p.v_scale);
+  const int64_t layer = page / p.layer_pages;
+  return make_float2(__ldg(p.layer_k_scales + layer), __ldg(p.layer_v_scales + layer));
+}
+
+// Shape accessors: constants for the default shape, launch parameters otherwise.
+template <class C>
+__device__ __forceinline__ int NumKvHeads(const KernelParams& p) {
+  if constexpr (C::kFixed) return kNumKvHeads; else return p.num_kv_heads;
+}
+template <class C>
+__device__ __forceinline__ int NumQoHeads(const KernelParams& p) {
+  if constexpr (C::kFixed) return kNumQoHeads; else return p.num_qo_heads;
+}
+template <class C>
+__device__ __forceinline__ int Group(const KernelParams& p) {
+  if constexpr (C::kFixed) return kGroupSize; else return p.group;
+}
+template <class C>
+__device__ __forceinline__ int PagesPerStage(const KernelParams& p) {
+  if constexpr (C::kFixed) return 1; else return p.pages_per_stage;
+}
+// Whether q, the new rows and the output are fp16 (else bf16).
+template <class C>
+__device__ __forceinline__ bool IoFp16(const KernelParams& p) {
+  if constexpr (C::kPages == PageKind::kFp8) return p.io_fp16 != 0;
+  else return C::kPages == PageKind::kFp16;
+}
+
+template <class C>
 struct alignas(1024) SharedStorage {
-  uint8_t stage[kStages][kStageBytes];  // 1024-aligned boxes (128-byte swizzle)
-  uint8_t q[kStages][kQBytes];
-  float scratch_o[kConsumerWarps][kGroupSize][kHeadDim];
-  float scratch_m[kConsumerWarps][kGroupSize];
-  float scratch_l[kConsumerWarps][kGroupSize];
-  StageTag tag[kStages];
-  uint64_t full[kStages];
-  uint64_t empty[kStages];
+  uint8_t stage[C::kStages][C::kStageBytes];  // 1024-aligned boxes (swizzled)
+  uint8_t q[C::kStages][C::kQBytes];
+  float scratch_o[kConsumerWarps][C::kMaxGroup][C::kHeadDim];
+  float scratch_m[kConsumerWarps][C::kMaxGroup];
+  float scratch_l[kConsumerWarps][C::kMaxGroup];
+  StageTag tag[C::kStages];
+  uint64_t full[C::kStages];
+  uint64_t empty[C::kStages];
   int32_t is_last;
   uint32_t merges;  // benchmarking only (timeline): in-kernel merges done by this CTA
 };
-inline constexpr size_t kSmemBytes = sizeof(SharedStorage) + 1024;  // + alignment slack
-static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a Hopper block may opt in to");
+template <class C>
+inline constexpr size_t kSmemBytes = sizeof(SharedStorage<C>) + 1024;  // + alignment slack
 
 __device__ __forceinline__ WorkItem LoadItem(const WorkItem* item) {
   const int4* v = reinterpret_cast<const int4*>(item);
@@ -132,48 +234,73 @@ __device__ __forceinline__ WorkItem LoadItem(const WorkItem* item) {
 __device__ __forceinline__ uint16_t ToBf16(float x) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(x));
 }
+__device__ __forceinline__ uint16_t ToF16(float x) { return __half_as_ushort(__float2half_rn(x)); }
+__device__ __forceinline__ float Bf16Bits(uint32_t bits) {
+  return __uint_as_float(bits << 16);
+}
+__device__ __forceinline__ float F16Bits(uint32_t bits) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+}
 
-// Offset of 16-byte chunk `chunk` (0..15 over 128 dims) of token row `token` within a K or V
-// half of a stage: TMA's 128-byte swizzle XORs the chunk index with the row index mod 8.
+// An output element in the caller's type.
+template <class C>
+__device__ __forceinline__ uint16_t ToIo(const KernelParams& p, float x) {
+  return IoFp16<C>(p) ? ToF16(x) : ToBf16(x);
+}
+
+// Offset of 16-byte chunk `chunk` (0..C::kHeadDim * kElemBytes / 16) of token row `token`
+// within the K or V of a stage: the chunk's box, then TMA's swizzle, which XORs the chunk index
+// with the row index mod 8 (128-byte rows) or with row / 2 mod 4 (64-byte rows).
+template <class C>
 __device__ __forceinline__ uint32_t SwizzledOffset(int token, int chunk) {
-  return static_cast<uint32_t>((chunk >> 3) * kHalfBytes + token * 128 +
-                               (((chunk & 7) ^ (token & 7)) << 4));
+  if constexpr (C::kRowBytes == 128) {
+    return static_cast<uint32_t>((chunk >> 3) * C::kBoxBytes + token * 128 +
+                                 (((chunk & 7) ^ (token & 7)) << 4));
+  } else {
+    return static_cast<uint32_t>(token * 64 + ((chunk ^ ((token >> 1) & 3)) << 4));
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Producer
 
 // The producer's position in the ring.
+template <class C>
 struct Ring {
   int stage = 0;
   uint32_t phase = 0;
   __device__ void Advance() {
-    if (++stage == kStages) {
+    if (++stage == C::kStages) {
       stage = 0;
       phase ^= 1;
     }
   }
 };
 
-__device__ __forceinline__ void WriteTag(SharedStorage& s, int stage, int32_t page,
-                                         const WorkItem& it) {
+// Tags a stage. page: the stage's index in the item (>= 0) or kTagEmpty / kTagEnd; num_pages:
+// the item's stages; last_len: the item's (the default shape, whose stages are its pages) or
+// the valid tokens of the item's last stage (other shapes).
+template <class C>
+__device__ __forceinline__ void WriteTag(SharedStorage<C>& s, int stage, int32_t page,
+                                         const WorkItem& it, int32_t num_pages,
+                                         int32_t last_len) {
   StageTag& t = s.tag[stage];
   t.page = page;
-  t.num_pages = it.num_pages;
+  t.num_pages = num_pages;
   t.seq_head = it.seq_head;
-  t.last_len = it.last_len;
+  t.last_len = last_len;
   t.slot = it.slot;
   t.group = it.group;
 }
 
 // A stage without data (kTagEmpty or kTagEnd): lane 0 waits for it, tags it and completes its
 // full barrier with every arrival the barrier expects.
-template <bool kTma>
-__device__ void ProduceTagOnly(SharedStorage& s, Ring& ring, int32_t tag, const WorkItem& it,
-                               int lane) {
+template <class C, bool kTma>
+__device__ void ProduceTagOnly(SharedStorage<C>& s, Ring<C>& ring, int32_t tag,
+                               const WorkItem& it, int lane) {
   if (lane == 0) {
     ptx::MbarWait(ptx::SmemAddr(&s.empty[ring.stage]), ring.phase ^ 1);
-    WriteTag(s, ring.stage, tag, it);
+    WriteTag(s, ring.stage, tag, it, it.num_pages, it.last_len);
     ptx::MbarArriveCount(ptx::SmemAddr(&s.full[ring.stage]),
                          kTma ? kFullArrivalsTma : kFullArrivalsCpAsync);
   }
@@ -186,13 +313,25 @@ __device__ __forceinline__ int LoadPageIds(const KernelParams& p, const WorkItem
   return lane < it.num_pages - base ? __ldg(p.kv_indices + it.page_begin + base + lane) : 0;
 }
 
-// Waits for a free stage, tags it and issues the copy of page `page` (id) of item `it` into it.
-template <bool kTma>
-__device__ __forceinline__ void IssueStage(const KernelParams& p, SharedStorage& s, Ring& ring,
-                                           const WorkItem& it, int index, int page, int lane) {
-  const int seq = it.seq_head / kNumKvHeads;
+// Where an item's query heads start in q (and in the output), in rows of head_dim.
+template <class C>
+__device__ __forceinline__ int64_t QueryRow(const KernelParams& p, int seq_head) {
+  const int seq = seq_head / NumKvHeads<C>(p);
+  const int kvh = seq_head % NumKvHeads<C>(p);
+  return int64_t{seq} * NumQoHeads<C>(p) + kvh * Group<C>(p);
+}
+
+// Waits for a free stage, tags it and issues the copy of page `page` (id) of item `it` into it:
+// the default shape, one page per stage.
+template <class C, bool kTma>
+__device__ __forceinline__ void IssueStage(const KernelParams& p, SharedStorage<C>& s,
+                                           Ring<C>& ring, const WorkItem& it, int index, int page,
+                                           int lane) {
+  static_assert(C::kFixed);
+  constexpr int kHalfBytes = C::kBoxBytes;  // one box: 64 tokens x 64 dims
+  constexpr int kPageBytes = static_cast<int>(kPageElems * 2);
   const int kvh = it.seq_head % kNumKvHeads;
-  const uint16_t* q_src = p.q + (int64_t{seq} * kNumQoHeads + kvh * kGroupSize) * int64_t{kHeadDim};
+  const uint16_t* q_src = p.q + QueryRow<C>(p, it.seq_head) * kHeadDim;
   const bool first = index == 0;
   const int stage = ring.stage;
   const uint32_t full = ptx::SmemAddr(&s.full[stage]);
@@ -201,17 +340,17 @@ __device__ __forceinline__ void IssueStage(const KernelParams& p, SharedStorage&
   if constexpr (kTma) {
     if (lane == 0) {
       ptx::MbarWait(empty, ring.phase ^ 1);
-      WriteTag(s, stage, index, it);
-      ptx::MbarArriveExpectTx(full, kStageBytes + (first ? kQBytes : 0));
+      WriteTag(s, stage, index, it, it.num_pages, it.last_len);
+      ptx::MbarArriveExpectTx(full, C::kStageBytes + (first ? C::kQBytes : 0));
       ptx::TmaLoad4d(dst, &p.k_map, 0, kvh, 0, page, full);
       ptx::TmaLoad4d(dst + kHalfBytes, &p.k_map, 64, kvh, 0, page, full);
       ptx::TmaLoad4d(dst + 2 * kHalfBytes, &p.v_map, 0, kvh, 0, page, full);
       ptx::TmaLoad4d(dst + 3 * kHalfBytes, &p.v_map, 64, kvh, 0, page, full);
-      if (first) ptx::BulkLoad(ptx::SmemAddr(s.q[stage]), q_src, kQBytes, full);
+      if (first) ptx::BulkLoad(ptx::SmemAddr(s.q[stage]), q_src, C::kQBytes, full);
     }
   } else {
     ptx::MbarWait(empty, ring.phase ^ 1);
-    if (lane == 0) WriteTag(s, stage, index, it);
+    if (lane == 0) WriteTag(s, stage, index, it, it.num_pages, it.last_len);
     const int64_t page_off = int64_t{page} * kPageBytes + kvh * kHeadDim * 2;
     const char* kp = reinterpret_cast<const char*>(p.k_cache) + page_off;
     const char* vp = reinterpret_cast<const char*>(p.v_cache) + page_off;
@@ -219,13 +358,13 @@ __device__ __forceinline__ void IssueStage(const KernelParams& p, SharedStorage&
     for (int c = lane; c < kPageSize * 16; c += 32) {
       const int token = c >> 4;
       const int chunk = c & 15;
-      const uint32_t off = SwizzledOffset(token, chunk);
+      const uint32_t off = SwizzledOffset<C>(token, chunk);
       const int src = token * static_cast<int>(kTokenElems * 2) + chunk * 16;
       ptx::CpAsync16(dst + off, kp + src);
       ptx::CpAsync16(dst + 2 * kHalfBytes + off, vp + src);
     }
     if (first) {
-      for (int c = lane; c < kQBytes / 16; c += 32) {
+      for (int c = lane; c < C::kQBytes / 16; c += 32) {
         ptx::CpAsync16(ptx::SmemAddr(s.q[stage]) + c * 16,
                        reinterpret_cast<const char*>(q_src) + c * 16);
       }
@@ -236,36 +375,139 @@ __device__ __forceinline__ void IssueStage(const KernelParams& p, SharedStorage&
   ring.Advance();
 }
 
-// An appended token (decode_plan.h): lanes 0-15 hold 16 bytes each of the item's KV head's part
-// of its K row, lanes 16-31 of its V row.
-__device__ __forceinline__ uint4 LoadNewRow(const KernelParams& p, const WorkItem& it, int row,
-                                            int lane) {
-  const int kvh = it.seq_head % kNumKvHeads;
+// The same for other shapes (TMA only): stage `index` of the item holds its pages `pages[0..n)`
+// (ids), each as page_size rows of every box of K and of V.
+template <class C>
+__device__ __forceinline__ void IssueStagePages(const KernelParams& p, SharedStorage<C>& s,
+                                                Ring<C>& ring, const WorkItem& it, int index,
+                                                int num_stages, int last_valid,
+                                                const int (&pages)[4], int n, int lane) {
+  static_assert(!C::kFixed);
+  if (lane != 0) {
+    ring.Advance();
+    return;
+  }
+  const int kvh = it.seq_head % p.num_kv_heads;
+  const bool first = index == 0;
+  const int stage = ring.stage;
+  const uint32_t full = ptx::SmemAddr(&s.full[stage]);
+  const uint32_t dst = ptx::SmemAddr(s.stage[stage]);
+  const uint32_t page_bytes = static_cast<uint32_t>(p.page_size) * C::kRowBytes;
+  const uint32_t q_bytes = static_cast<uint32_t>(p.group) * C::kHeadDim * 2;
+  float2 scales = make_float2(1.0f, 1.0f);
+  if (C::kFp8 && first) scales = PageScales(p, pages[0]);  // before the wait: its load in flight
+  ptx::MbarWait(ptx::SmemAddr(&s.empty[stage]), ring.phase ^ 1);
+  WriteTag(s, stage, index, it, num_stages, last_valid);
+  if (C::kFp8 && first) {
+    s.tag[stage].k_scale = scales.x;
+    s.tag[stage].v_scale = scales.y;
+  }
+  ptx::MbarArriveExpectTx(full, 2 * C::kBoxes * page_bytes * n + (first ? q_bytes : 0));
+  for (int j = 0; j < n; ++j) {
+#pragma unroll
+    for (int b = 0; b < C::kBoxes; ++b) {
+      const uint32_t at = dst + b * C::kBoxBytes + j * page_bytes;
+      ptx::TmaLoad4d(at, &p.k_map, b * C::kBoxDims, kvh, 0, pages[j], full);
+      ptx::TmaLoad4d(at + C::kHalfBytes, &p.v_map, b * C::kBoxDims, kvh, 0, pages[j], full);
+    }
+  }
+  if (first) {
+    const uint16_t* q_src = p.q + QueryRow<C>(p, it.seq_head) * C::kHeadDim;
+    ptx::BulkLoad(ptx::SmemAddr(s.q[stage]), q_src, q_bytes, full);
+  }
+  ring.Advance();
+}
+
+// An appended token (decode_plan.h): its K row in lanes 0-15 and its V row in lanes 16-31, the
+// item's KV head's part of each, 16 bytes per vector, C::kHeadDim / 128 vectors per lane (one
+// for head dims 64 and 128; for 64 only lanes 0-7 and 16-23 hold one).
+template <class C>
+struct NewRow {
+  static constexpr int kVecs = C::kHeadDim >= 128 ? C::kHeadDim / 128 : 1;
+  uint4 v[kVecs];
+};
+template <class C>
+__device__ __forceinline__ bool HoldsNewRow(int lane) {
+  return (lane & 15) * NewRow<C>::kVecs < C::kHeadDim / 8;
+}
+template <class C>
+__device__ __forceinline__ NewRow<C> LoadNewRow(const KernelParams& p, const WorkItem& it,
+                                                int row, int lane) {
+  const int kvh = it.seq_head % NumKvHeads<C>(p);
   const uint16_t* src = lane < 16 ? p.new_k : p.new_v;
-  return __ldg(reinterpret_cast<const uint4*>(src + int64_t{row} * kTokenElems + kvh * kHeadDim) +
-               (lane & 15));
+  const int64_t token_elems = int64_t{NumKvHeads<C>(p)} * C::kHeadDim;
+  const uint4* from = reinterpret_cast<const uint4*>(src + int64_t{row} * token_elems +
+                                                     kvh * C::kHeadDim) +
+                      (lane & 15) * NewRow<C>::kVecs;
+  NewRow<C> r;
+#pragma unroll
+  for (int i = 0; i < NewRow<C>::kVecs; ++i) {
+    r.v[i] = HoldsNewRow<C>(lane) ? __ldg(from + i) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  return r;
+}
+
+// Eight values of the caller's type (one 16-byte vector) to eight e4m3 bytes of value / scale,
+// the CPU's StoreKvValues bit for bit (IEEE division, then the saturating conversion).
+__device__ __forceinline__ uint2 QuantizeVec(uint4 x, bool fp16, float scale) {
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+  uint32_t out[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    uint32_t packed = 0;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const uint32_t word = w[2 * i + k];
+      const float lo = fp16 ? F16Bits(word & 0xffffu) : Bf16Bits(word & 0xffffu);
+      const float hi = fp16 ? F16Bits(word >> 16) : Bf16Bits(word >> 16);
+      const uint16_t q = ptx::F32x2ToE4m3x2(__fdiv_rn(lo, scale), __fdiv_rn(hi, scale));
+      packed |= uint32_t{q} << (16 * k);
+    }
+    out[i] = packed;
+  }
+  return make_uint2(out[0], out[1]);
 }
 
 // Stores the appended token into its place, the last valid token of page `page`, before that
 // page's copy is issued: the stores, then a proxy fence in every lane and a warp barrier, so that
-// the copy engine's read (TMA, the async proxy) or the lanes' cp.async see them.
-template <bool kTma>
+// the copy engine's read (TMA, the async proxy) or the lanes' cp.async see them. fp8 pages get
+// the row quantized with their layer's scale.
+template <class C, bool kTma>
 __device__ __forceinline__ void StoreNewRow(const KernelParams& p, const WorkItem& it, int page,
-                                            const uint4& row, int lane) {
-  const int kvh = it.seq_head % kNumKvHeads;
+                                            const NewRow<C>& row, int lane) {
+  const int kvh = it.seq_head % NumKvHeads<C>(p);
   const int token = (it.last_len & kLastLenMask) - 1;
-  uint16_t* dst = (lane < 16 ? p.k_out : p.v_out) + int64_t{page} * kPageElems +
-                  token * kTokenElems + kvh * kHeadDim;
-  reinterpret_cast<uint4*>(dst)[lane & 15] = row;
+  const int64_t token_elems = int64_t{NumKvHeads<C>(p)} * C::kHeadDim;
+  const int64_t page_elems = C::kFixed ? kPageElems : p.page_size * token_elems;
+  const int64_t elem = int64_t{page} * page_elems + token * token_elems + kvh * C::kHeadDim;
+  if (HoldsNewRow<C>(lane)) {
+    if constexpr (C::kFp8) {
+      uint8_t* dst = reinterpret_cast<uint8_t*>(lane < 16 ? p.k_out : p.v_out) + elem;
+      const float2 scales = PageScales(p, page);
+      const float scale = lane < 16 ? scales.x : scales.y;
+#pragma unroll
+      for (int i = 0; i < NewRow<C>::kVecs; ++i) {
+        reinterpret_cast<uint2*>(dst)[(lane & 15) * NewRow<C>::kVecs + i] =
+            QuantizeVec(row.v[i], p.io_fp16 != 0, scale);
+      }
+    } else {
+      uint16_t* dst = (lane < 16 ? p.k_out : p.v_out) + elem;
+#pragma unroll
+      for (int i = 0; i < NewRow<C>::kVecs; ++i) {
+        reinterpret_cast<uint4*>(dst)[(lane & 15) * NewRow<C>::kVecs + i] = row.v[i];
+      }
+    }
+  }
   if constexpr (kTma) ptx::FenceProxyAsyncGlobal();
   __syncwarp();
 }
 
 // The items of one part (head and its rest), page by page; each item's page ids 32 at a time
 // (a lane each), the next item's work item in flight meanwhile. (Loading the work items two
-// ahead and each next chunk of page ids a chunk ahead measured no faster.)
-template <bool kTma, bool kAppends>
-__device__ void ProducePart(const KernelParams& p, SharedStorage& s, Ring& ring,
+// ahead and each next chunk of page ids a chunk ahead measured no faster.) Other shapes than
+// the default issue a stage per 64 / page_size pages.
+template <class C, bool kTma, bool kAppends>
+__device__ void ProducePart(const KernelParams& p, SharedStorage<C>& s, Ring<C>& ring,
                             const WorkItem& head, int lane) {
   const int count = head.seq_head < 0 ? 0 : 1 + head.rest_count;
   WorkItem next = head;
@@ -273,24 +515,47 @@ __device__ void ProducePart(const KernelParams& p, SharedStorage& s, Ring& ring,
     const WorkItem it = next;
     if (i + 1 < count) next = LoadItem(p.items + head.rest_begin + i);  // in flight meanwhile
     if (it.num_pages == 0) {
-      ProduceTagOnly<kTma>(s, ring, kTagEmpty, it, lane);
+      ProduceTagOnly<C, kTma>(s, ring, kTagEmpty, it, lane);
       continue;
     }
     // An item that ends a sequence the plan appends to loads the token's row now, while its page
     // ids make their trip, and stores it just before its last page is issued. (A plan without
     // appends runs the kernel built without this, which measured 0.1-1.1% faster.)
     const int append_row = kAppends ? (it.last_len >> kLastLenBits) - 1 : -1;
-    uint4 new_row = make_uint4(0u, 0u, 0u, 0u);
-    if (kAppends && append_row >= 0) new_row = LoadNewRow(p, it, append_row, lane);
-    for (int base = 0; base < it.num_pages; base += 32) {
-      const int ids = LoadPageIds(p, it, base, lane);
-      const int n = min(32, it.num_pages - base);
-      for (int j = 0; j < n; ++j) {
-        const int page = __shfl_sync(0xffffffffu, ids, j);
-        if (kAppends && append_row >= 0 && base + j == it.num_pages - 1) {
-          StoreNewRow<kTma>(p, it, page, new_row, lane);
+    NewRow<C> new_row{};
+    if (kAppends && append_row >= 0) new_row = LoadNewRow<C>(p, it, append_row, lane);
+    if constexpr (C::kFixed) {
+      for (int base = 0; base < it.num_pages; base += 32) {
+        const int ids = LoadPageIds(p, it, base, lane);
+        const int n = min(32, it.num_pages - base);
+        for (int j = 0; j < n; ++j) {
+          const int page = __shfl_sync(0xffffffffu, ids, j);
+          if (kAppends && append_row >= 0 && base + j == it.num_pages - 1) {
+            StoreNewRow<C, kTma>(p, it, page, new_row, lane);
+          }
+          IssueStage<C, kTma>(p, s, ring, it, base + j, page, lane);
         }
-        IssueStage<kTma>(p, s, ring, it, base + j, page, lane);
+      }
+    } else {
+      static_assert(kTma, "shapes other than the default use the TMA path");
+      const int pps = p.pages_per_stage;  // 1, 2 or 4: a divisor of 32
+      const int num_stages = (it.num_pages + pps - 1) / pps;
+      const int last_valid =
+          ((it.num_pages - 1) % pps) * p.page_size + (it.last_len & kLastLenMask);
+      for (int base = 0; base < it.num_pages; base += 32) {
+        const int ids = LoadPageIds(p, it, base, lane);
+        const int n = min(32, it.num_pages - base);
+        for (int j = 0; j < n; j += pps) {
+          int pages[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) pages[k] = __shfl_sync(0xffffffffu, ids, (j + k) & 31);
+          const int in_stage = min(pps, n - j);
+          if (kAppends && append_row >= 0 && base + j + in_stage == it.num_pages) {
+            StoreNewRow<C, kTma>(p, it, pages[in_stage - 1], new_row, lane);
+          }
+          IssueStagePages<C>(p, s, ring, it, (base + j) / pps, num_stages, last_valid, pages,
+                             in_stage, lane);
+        }
       }
     }
   }
@@ -300,14 +565,14 @@ __device__ void ProducePart(const KernelParams& p, SharedStorage& s, Ring& ring,
 // A part is taken from the queue once the previous one's last page is issued: the stages still
 // hold up to kStages pages for the consumers while the counter, the part's first item and its
 // first page ids make their trips.
-template <bool kTma, bool kAppends>
-__device__ void Produce(const KernelParams& p, SharedStorage& s, WorkItem head, int num_parts,
+template <class C, bool kTma, bool kAppends>
+__device__ void Produce(const KernelParams& p, SharedStorage<C>& s, WorkItem head, int num_parts,
                         int lane) {
   const int num_ctas = static_cast<int>(gridDim.x);
   const bool queued = num_parts > num_ctas;
-  Ring ring;
+  Ring<C> ring;
   for (;;) {
-    ProducePart<kTma, kAppends>(p, s, ring, head, lane);
+    ProducePart<C, kTma, kAppends>(p, s, ring, head, lane);
     if (!queued) break;
     int next = 0;
     if (lane == 0) next = num_ctas + atomicAdd(p.queue, 1);
@@ -327,44 +592,113 @@ __device__ void Produce(const KernelParams& p, SharedStorage& s, WorkItem head, 
     }
     head = LoadItem(p.items + next);
   }
-  ProduceTagOnly<kTma>(s, ring, kTagEnd, WorkItem{}, lane);
+  ProduceTagOnly<C, kTma>(s, ring, kTagEnd, WorkItem{}, lane);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Consumers
 
 // Zeroes the halves of a V fragment (ldmatrix .trans: tokens `token` and `token + 1`, the low and
-// high bf16) that lie at or past `valid`, so that whatever a last page holds past the sequence's
-// last token (NaN included) cannot reach the output through P = 0.
+// high 16-bit values) that lie at or past `valid`, so that whatever a last page holds past the
+// sequence's last token (NaN included) cannot reach the output through P = 0.
 __device__ __forceinline__ uint32_t MaskTokens(uint32_t frag, int token, int valid) {
   if (token >= valid) frag &= 0xffff0000u;
   if (token + 1 >= valid) frag &= 0x0000ffffu;
   return frag;
 }
 
+template <class C>
+__device__ __forceinline__ void Mma(float& d0, float& d1, uint32_t a0, uint32_t a2, uint32_t b0,
+                                    uint32_t b1) {
+  if constexpr (C::kF16Math) {
+    ptx::MmaRows8F16(d0, d1, a0, a2, b0, b1);
+  } else {
+    ptx::MmaRows8(d0, d1, a0, a2, b0, b1);
+  }
+}
+
+// The query fragments of rows g (lane / 4) for every k-step: for 16-bit pages, dims
+// 16 ks + 2 quad (+1) and + 8; for fp8 pages (their K fragments read dims 4 quad .. 4 quad + 3
+// of each 16 as k = 2 quad, 2 quad + 1, 2 quad + 8, 2 quad + 9), dims 16 ks + 4 quad (+1) and
+// + 2 (+3), converted to fp16 where q is bf16. Rows past the group are zero.
+template <class C>
+__device__ __forceinline__ void LoadQuery(const KernelParams& p, uint32_t q_stage, int group,
+                                          int lane, uint32_t (&qa)[C::kKSteps][2]) {
+  const int g = lane >> 2;
+  const int quad = lane & 3;
+  if constexpr (!C::kFp8) {
+    const uint32_t qrow = q_stage + g * C::kHeadDim * 2 + quad * 4;
+#pragma unroll
+    for (int ks = 0; ks < C::kKSteps; ++ks) {
+      qa[ks][0] = g < group ? ptx::LdsU32(qrow + ks * 32) : 0u;
+      qa[ks][1] = g < group ? ptx::LdsU32(qrow + ks * 32 + 16) : 0u;
+    }
+  } else {
+    const uint32_t qrow = q_stage + g * C::kHeadDim * 2 + quad * 8;
+    const bool bf16 = p.io_fp16 == 0;
+#pragma unroll
+    for (int ks = 0; ks < C::kKSteps; ++ks) {
+      uint32_t w[2] = {0u, 0u};
+      if (g < group) {
+        w[0] = ptx::LdsU32(qrow + ks * 32);
+        w[1] = ptx::LdsU32(qrow + ks * 32 + 4);
+        if (bf16) {
+#pragma unroll
+          for (int i = 0; i < 2; ++i) w[i] = ptx::PackF16(Bf16Bits(w[i] & 0xffffu), Bf16Bits(w[i] >> 16));
+        }
+      }
+      qa[ks][0] = w[0];
+      qa[ks][1] = w[1];
+    }
+  }
+}
+
 // One warp's 16 tokens of one stage: scores, online softmax update, O += P V. Scores of tokens
 // at or past `valid` are masked to -inf; mask_v: their V fragments are zeroed too (the stage is
 // a last page whose valid tokens end inside this warp's 16, and its V rows were not zeroed in
-// shared memory).
-__device__ __forceinline__ void ProcessTile(uint32_t base, const uint32_t (&qa)[8][2], int warp,
-                                            int lane, int valid, bool mask_v, float scale_log2,
-                                            float (&o)[16][2], float& m, float& l) {
+// shared memory). fp8 pages: o[2c] holds dims 16c + 2j and o[2c + 1] dims 16c + 2j + 1 (j the
+// n-tile column), see Finalize.
+template <class C>
+__device__ __forceinline__ void ProcessTile(uint32_t base, const uint32_t (&qa)[C::kKSteps][2],
+                                            int warp, int lane, int valid, bool mask_v,
+                                            float scale_log2, float (&o)[C::kNTiles][2],
+                                            float& m, float& l) {
   const int r = lane & 7;
   const int mi = lane >> 3;
   const int quad = lane & 3;
   const int t0 = warp * kTokensPerWarp;
 
-  // S[6 heads, 16 tokens]: two n-tiles of 8 tokens, even and odd k-steps accumulated apart.
+  // S[group heads, 16 tokens]: two n-tiles of 8 tokens, even and odd k-steps accumulated apart.
   float acc[4][2] = {};
+  if constexpr (!C::kFp8) {
 #pragma unroll
-  for (int ks = 0; ks < 8; ++ks) {
-    const int token = t0 + ((mi >> 1) << 3) + r;
-    const int chunk = 2 * ks + (mi & 1);
-    uint32_t b[4];
-    ptx::Ldsm4(base + SwizzledOffset(token, chunk), b);
-    const int c = (ks & 1) * 2;
-    ptx::MmaRows8(acc[c][0], acc[c][1], qa[ks][0], qa[ks][1], b[0], b[1]);
-    ptx::MmaRows8(acc[c + 1][0], acc[c + 1][1], qa[ks][0], qa[ks][1], b[2], b[3]);
+    for (int ks = 0; ks < C::kKSteps; ++ks) {
+      const int token = t0 + ((mi >> 1) << 3) + r;
+      const int chunk = 2 * ks + (mi & 1);
+      uint32_t b[4];
+      ptx::Ldsm4(base + SwizzledOffset<C>(token, chunk), b);
+      const int c = (ks & 1) * 2;
+      Mma<C>(acc[c][0], acc[c][1], qa[ks][0], qa[ks][1], b[0], b[1]);
+      Mma<C>(acc[c + 1][0], acc[c + 1][1], qa[ks][0], qa[ks][1], b[2], b[3]);
+    }
+  } else {
+    // A 16-byte chunk of an fp8 row is one k-step: lane (g, quad) gets dims 4 quad..4 quad + 3
+    // of token g, which are its k = 2 quad, 2 quad + 1 (b0) and 2 quad + 8, 2 quad + 9 (b1).
+#pragma unroll
+    for (int kp = 0; kp < C::kKSteps / 2; ++kp) {
+      const int token = t0 + ((mi >> 1) << 3) + r;
+      const int chunk = 2 * kp + (mi & 1);
+      uint32_t b[4];
+      ptx::Ldsm4(base + SwizzledOffset<C>(token, chunk), b);
+      // b[0]: tokens 0-7, k-step 2 kp; b[1]: tokens 0-7, 2 kp + 1; b[2], b[3]: tokens 8-15.
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int ks = 2 * kp + (i & 1);
+        const int c = (i & 1) * 2 + (i >> 1);
+        Mma<C>(acc[c][0], acc[c][1], qa[ks][0], qa[ks][1], ptx::E4m3x2ToF16x2(b[i]),
+               ptx::E4m3x2ToF16x2(b[i] >> 16));
+      }
+    }
   }
   float x[2][2];
 #pragma unroll
@@ -390,54 +724,101 @@ __device__ __forceinline__ void ProcessTile(uint32_t base, const uint32_t (&qa)[
   l = l * alpha + ((pr[0][0] + pr[0][1]) + (pr[1][0] + pr[1][1]));
   m = m_new;
 #pragma unroll
-  for (int n = 0; n < 16; ++n) {
+  for (int n = 0; n < C::kNTiles; ++n) {
     o[n][0] *= alpha;
     o[n][1] *= alpha;
   }
-  const uint32_t pa0 = ptx::PackBf16(pr[0][0], pr[0][1]);
-  const uint32_t pa2 = ptx::PackBf16(pr[1][0], pr[1][1]);
-  const uint32_t vbase = base + 2 * kHalfBytes;
+  const uint32_t pa0 = C::kF16Math ? ptx::PackF16(pr[0][0], pr[0][1]) : ptx::PackBf16(pr[0][0], pr[0][1]);
+  const uint32_t pa2 = C::kF16Math ? ptx::PackF16(pr[1][0], pr[1][1]) : ptx::PackBf16(pr[1][0], pr[1][1]);
+  const uint32_t vbase = base + C::kHalfBytes;
+  if constexpr (!C::kFp8) {
 #pragma unroll
-  for (int np = 0; np < 8; ++np) {
-    const int token = t0 + ((mi & 1) << 3) + r;
-    const int chunk = 2 * np + (mi >> 1);
-    uint32_t b[4];
-    ptx::Ldsm4Trans(vbase + SwizzledOffset(token, chunk), b);
-    if (mask_v) {
-      // Fragment k holds tokens t0 + 8 * (k & 1) + 2 * quad and the next one.
+    for (int np = 0; np < C::kNTiles / 2; ++np) {
+      const int token = t0 + ((mi & 1) << 3) + r;
+      const int chunk = 2 * np + (mi >> 1);
+      uint32_t b[4];
+      ptx::Ldsm4Trans(vbase + SwizzledOffset<C>(token, chunk), b);
+      if (mask_v) {
+        // Fragment k holds tokens t0 + 8 * (k & 1) + 2 * quad and the next one.
 #pragma unroll
-      for (int k = 0; k < 4; ++k) b[k] = MaskTokens(b[k], t0 + ((k & 1) << 3) + 2 * quad, valid);
+        for (int k = 0; k < 4; ++k) b[k] = MaskTokens(b[k], t0 + ((k & 1) << 3) + 2 * quad, valid);
+      }
+      Mma<C>(o[2 * np][0], o[2 * np][1], pa0, pa2, b[0], b[1]);
+      Mma<C>(o[2 * np + 1][0], o[2 * np + 1][1], pa0, pa2, b[2], b[3]);
     }
-    ptx::MmaRows8(o[2 * np][0], o[2 * np][1], pa0, pa2, b[0], b[1]);
-    ptx::MmaRows8(o[2 * np + 1][0], o[2 * np + 1][1], pa0, pa2, b[2], b[3]);
+  } else {
+    // Transposed 8x8 matrices of 16-bit pairs: lane (g, quad) gets V[2 quad][2g, 2g + 1] in
+    // bytes 0, 1 and V[2 quad + 1][2g, 2g + 1] in bytes 2, 3 (tokens of the 8, dims of the 16).
+    // Bytes 0, 2 are the even dim's B fragment, bytes 1, 3 the odd dim's.
+#pragma unroll
+    for (int cp = 0; cp < C::kKSteps / 2; ++cp) {
+      const int token = t0 + ((mi & 1) << 3) + r;
+      const int chunk = 2 * cp + (mi >> 1);
+      uint32_t b[4];
+      ptx::Ldsm4Trans(vbase + SwizzledOffset<C>(token, chunk), b);
+      // b[0]: tokens 0-7 and b[1]: tokens 8-15 of chunk 2 cp; b[2], b[3]: of chunk 2 cp + 1.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t lo = ptx::Prmt(b[2 * h], 0u, 0x3120u);
+        const uint32_t hi = ptx::Prmt(b[2 * h + 1], 0u, 0x3120u);
+        uint32_t even0 = ptx::E4m3x2ToF16x2(lo), even1 = ptx::E4m3x2ToF16x2(hi);
+        uint32_t odd0 = ptx::E4m3x2ToF16x2(lo >> 16), odd1 = ptx::E4m3x2ToF16x2(hi >> 16);
+        if (mask_v) {
+          even0 = MaskTokens(even0, t0 + 2 * quad, valid);
+          odd0 = MaskTokens(odd0, t0 + 2 * quad, valid);
+          even1 = MaskTokens(even1, t0 + 8 + 2 * quad, valid);
+          odd1 = MaskTokens(odd1, t0 + 8 + 2 * quad, valid);
+        }
+        const int c = 2 * cp + h;  // the 16-dim chunk
+        Mma<C>(o[2 * c][0], o[2 * c][1], pa0, pa2, even0, even1);
+        Mma<C>(o[2 * c + 1][0], o[2 * c + 1][1], pa0, pa2, odd0, odd1);
+      }
+    }
   }
 }
 
 // Zeroes V rows [from, to) of a stage, so that whatever lies past the sequence's last token
 // (NaN included) cannot reach the output through P = 0.
+template <class C>
 __device__ __forceinline__ void ZeroVRows(uint8_t* stage, int from, int to, int lane) {
-  const int n = (to - from) * 16;
+  constexpr int kRowVecs = C::kRowBytes / 16;
+  constexpr int kPerRow = kRowVecs * C::kBoxes;
+  const int n = (to - from) * kPerRow;
   for (int idx = lane; idx < n; idx += 32) {
-    const int row = from + (idx >> 4);
-    const int half = (idx >> 3) & 1;
-    const int chunk = idx & 7;
-    *reinterpret_cast<uint4*>(stage + 2 * kHalfBytes + half * kHalfBytes + row * 128 +
+    const int row = from + idx / kPerRow;
+    const int box = (idx / kRowVecs) % C::kBoxes;
+    const int chunk = idx % kRowVecs;
+    *reinterpret_cast<uint4*>(stage + C::kHalfBytes + box * C::kBoxBytes + row * C::kRowBytes +
                               chunk * 16) = make_uint4(0, 0, 0, 0);
   }
 }
 
-__device__ void WriteEmpty(const KernelParams& p, int row0, int tid) {
+template <class C>
+__device__ void WriteEmpty(const KernelParams& p, int64_t row0, int tid) {
+  const int group = Group<C>(p);
 #pragma unroll
-  for (int g = 0; g < kGroupSize; ++g) p.output[int64_t{row0 + g} * kHeadDim + tid] = 0;
-  if (tid < kGroupSize) p.lse[row0 + tid] = -INFINITY;
+  for (int g = 0; g < C::kMaxGroup; ++g) {
+    if (g >= group) break;
+#pragma unroll
+    for (int i = 0; i < C::kDimsPerThread; ++i) {
+      const int d = tid + i * kConsumerThreads;
+      if (C::kHeadDim >= kConsumerThreads || d < C::kHeadDim) {
+        p.output[(row0 + g) * C::kHeadDim + d] = 0;
+      }
+    }
+  }
+  if (tid < group) p.lse[row0 + tid] = -INFINITY;
 }
 
 // Combines the 4 consumer warps' (max, sum, unnormalised output) triples in scratch into the
-// normalised output and base-2 lse of the item's 6 rows: thread tid gets dim tid of each row.
-__device__ __forceinline__ void CombineWarps(const SharedStorage& s, int tid,
-                                             float (&out)[kGroupSize], float (&lse)[kGroupSize]) {
+// normalised output (dim d) and base-2 lse of the item's rows.
+template <class C>
+__device__ __forceinline__ void CombineWarps(const SharedStorage<C>& s, int d, int group,
+                                             float (&out)[C::kMaxGroup],
+                                             float (&lse)[C::kMaxGroup]) {
 #pragma unroll
-  for (int h = 0; h < kGroupSize; ++h) {
+  for (int h = 0; h < C::kMaxGroup; ++h) {
+    if (h >= group) break;
     float mx = s.scratch_m[0][h];
 #pragma unroll
     for (int w = 1; w < kConsumerWarps; ++w) mx = fmaxf(mx, s.scratch_m[w][h]);
@@ -447,73 +828,121 @@ __device__ __forceinline__ void CombineWarps(const SharedStorage& s, int tid,
     for (int w = 0; w < kConsumerWarps; ++w) {
       const float e = ptx::Exp2(s.scratch_m[w][h] - mx);
       sum += e * s.scratch_l[w][h];
-      acc += e * s.scratch_o[w][h][tid];
+      acc += e * s.scratch_o[w][h][d];
     }
     out[h] = acc / sum;
     lse[h] = mx + log2f(sum);
   }
 }
 
-// Writes rows row0..row0+5 of the output (bf16) and lse; thread tid writes dim tid.
-__device__ __forceinline__ void WriteRows(const KernelParams& p, int64_t row0, int tid,
-                                          const float (&out)[kGroupSize],
-                                          const float (&lse)[kGroupSize]) {
+// Writes dim d of rows row0.. of the output (the caller's type) and, for d == 0, their lse.
+template <class C>
+__device__ __forceinline__ void WriteRows(const KernelParams& p, int64_t row0, int d, int group,
+                                          const float (&out)[C::kMaxGroup],
+                                          const float (&lse)[C::kMaxGroup]) {
 #pragma unroll
-  for (int h = 0; h < kGroupSize; ++h) p.output[(row0 + h) * kHeadDim + tid] = ToBf16(out[h]);
-  if (tid == 0) {
+  for (int h = 0; h < C::kMaxGroup; ++h) {
+    if (h >= group) break;
+    p.output[(row0 + h) * C::kHeadDim + d] = ToIo<C>(p, out[h]);
+  }
+  if (d == 0) {
 #pragma unroll
-    for (int h = 0; h < kGroupSize; ++h) p.lse[row0 + h] = lse[h];
+    for (int h = 0; h < C::kMaxGroup; ++h) {
+      if (h >= group) break;
+      p.lse[row0 + h] = lse[h];
+    }
   }
 }
 
-// Folds one piece (its base-2 lse and 4 dims of its normalised output) into a running online
+// N consecutive floats of a partial output, loaded and kept together.
+template <int N>
+struct alignas(N >= 4 ? 16 : 8) Dims {
+  float v[N];
+};
+template <int N>
+__device__ __forceinline__ Dims<N> LoadDims(const float* src) {
+  Dims<N> r;
+#pragma unroll
+  for (int i = 0; i < N; i += 4) {
+    if constexpr (N == 2) {
+      const float2 x = __ldcg(reinterpret_cast<const float2*>(src));
+      r.v[0] = x.x;
+      r.v[1] = x.y;
+    } else {
+      const float4 x = __ldcg(reinterpret_cast<const float4*>(src + i));
+      r.v[i] = x.x;
+      r.v[i + 1] = x.y;
+      r.v[i + 2] = x.z;
+      r.v[i + 3] = x.w;
+    }
+  }
+  return r;
+}
+template <int N>
+__device__ __forceinline__ void StoreDims(float* dst, const Dims<N>& x) {
+#pragma unroll
+  for (int i = 0; i < N; i += 4) {
+    if constexpr (N == 2) {
+      *reinterpret_cast<float2*>(dst) = make_float2(x.v[0], x.v[1]);
+    } else {
+      *reinterpret_cast<float4*>(dst + i) = make_float4(x.v[i], x.v[i + 1], x.v[i + 2], x.v[i + 3]);
+    }
+  }
+}
+
+// Folds one piece (its base-2 lse and N dims of its normalised output) into a running online
 // log-sum-exp merge (max m, sum l, unnormalised acc); padding (lse -inf) changes nothing.
-__device__ __forceinline__ void FoldPiece(float lse, const float4& o, float& m, float& l,
-                                          float4& acc) {
+template <int N>
+__device__ __forceinline__ void FoldPiece(float lse, const Dims<N>& o, float& m, float& l,
+                                          Dims<N>& acc) {
   const float m_new = fmaxf(m, lse);
   if (m_new == -INFINITY) return;  // only padding so far
   const float a = ptx::Exp2(m - m_new);
   const float b = ptx::Exp2(lse - m_new);
   l = l * a + b;
-  acc.x = acc.x * a + b * o.x;
-  acc.y = acc.y * a + b * o.y;
-  acc.z = acc.z * a + b * o.z;
-  acc.w = acc.w * a + b * o.w;
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc.v[i] = acc.v[i] * a + b * o.v[i];
   m = m_new;
 }
 
 // The last CTA of a merge group combines its pieces' partial results by their log-sum-exp.
-// Warp w takes pieces w, w+4, ...; lane holds dims 4*lane..4*lane+3 of all 6 rows and folds its
-// pieces in with an online log-sum-exp (lse and output loads of kMergeRound pieces in flight at
-// once); then the 4 warps combine through shared memory like the end of an item.
-__device__ void Merge(const KernelParams& p, SharedStorage& s, MergeGroup grp, int64_t row0,
+// Warp w takes pieces w, w+4, ...; lane holds dims N*lane..N*lane+N-1 (N = head_dim / 32) of
+// every row and folds its pieces in with an online log-sum-exp (lse and output loads of
+// kMergeRound pieces in flight at once); then the 4 warps combine through shared memory like
+// the end of an item.
+template <class C>
+__device__ void Merge(const KernelParams& p, SharedStorage<C>& s, MergeGroup grp, int64_t row0,
                       int warp, int lane) {
+  constexpr int N = C::kDimsPerLane;
+  const int group = Group<C>(p);
   const int sb = grp.slot_begin;
   const int n = grp.num_pieces;
-  constexpr int kSlotVecs = kPartialFloats / 4;
-  const float4* part = reinterpret_cast<const float4*>(p.part_o) + int64_t{sb} * kSlotVecs + lane;
-  const float* part_lse = p.part_lse + int64_t{sb} * kGroupSize;
-  float m[kGroupSize], l[kGroupSize];
-  float4 acc[kGroupSize];
+  const float* part = p.part_o + int64_t{sb} * C::kPartialFloats + N * lane;
+  const float* part_lse = p.part_lse + int64_t{sb} * C::kMaxGroup;
+  float m[C::kMaxGroup], l[C::kMaxGroup];
+  Dims<N> acc[C::kMaxGroup];
 #pragma unroll
-  for (int g = 0; g < kGroupSize; ++g) {
+  for (int g = 0; g < C::kMaxGroup; ++g) {
     m[g] = -INFINITY;
     l[g] = 0.0f;
-    acc[g] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc[g].v[i] = 0.0f;
   }
+  constexpr int kMergeRound = C::kMergeRound;
   for (int q0 = warp; q0 < n; q0 += kMergeRound * kConsumerWarps) {
-    float4 o[kMergeRound][kGroupSize];
-    float ls[kMergeRound][kGroupSize];
+    Dims<N> o[kMergeRound][C::kMaxGroup];
+    float ls[kMergeRound][C::kMaxGroup];
 #pragma unroll
     for (int u = 0; u < kMergeRound; ++u) {
       const int q = q0 + u * kConsumerWarps;
 #pragma unroll
-      for (int g = 0; g < kGroupSize; ++g) {
-        if (q < n) {
-          o[u][g] = __ldcg(part + int64_t{q} * kSlotVecs + g * 32);
-          ls[u][g] = __ldcg(part_lse + q * kGroupSize + g);
+      for (int g = 0; g < C::kMaxGroup; ++g) {
+        if (q < n && g < group) {
+          o[u][g] = LoadDims<N>(part + int64_t{q} * C::kPartialFloats + g * C::kHeadDim);
+          ls[u][g] = __ldcg(part_lse + q * C::kMaxGroup + g);
         } else {
-          o[u][g] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+          for (int i = 0; i < N; ++i) o[u][g].v[i] = 0.0f;
           ls[u][g] = -INFINITY;
         }
       }
@@ -521,14 +950,14 @@ __device__ void Merge(const KernelParams& p, SharedStorage& s, MergeGroup grp, i
 #pragma unroll
     for (int u = 0; u < kMergeRound; ++u) {
 #pragma unroll
-      for (int g = 0; g < kGroupSize; ++g) {
-        FoldPiece(ls[u][g], o[u][g], m[g], l[g], acc[g]);
+      for (int g = 0; g < C::kMaxGroup; ++g) {
+        FoldPiece<N>(ls[u][g], o[u][g], m[g], l[g], acc[g]);
       }
     }
   }
 #pragma unroll
-  for (int g = 0; g < kGroupSize; ++g) {
-    *reinterpret_cast<float4*>(&s.scratch_o[warp][g][4 * lane]) = acc[g];
+  for (int g = 0; g < C::kMaxGroup; ++g) {
+    StoreDims<N>(&s.scratch_o[warp][g][N * lane], acc[g]);
     if (lane == 0) {
       s.scratch_m[warp][g] = m[g];
       s.scratch_l[warp][g] = l[g];
@@ -536,27 +965,46 @@ __device__ void Merge(const KernelParams& p, SharedStorage& s, MergeGroup grp, i
   }
   ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
   const int tid = warp * 32 + lane;
-  float out[kGroupSize], lse[kGroupSize];
-  CombineWarps(s, tid, out, lse);
-  WriteRows(p, row0, tid, out, lse);
+#pragma unroll
+  for (int i = 0; i < C::kDimsPerThread; ++i) {
+    const int d = tid + i * kConsumerThreads;
+    if (C::kHeadDim >= kConsumerThreads || d < C::kHeadDim) {
+      float out[C::kMaxGroup], lse[C::kMaxGroup];
+      CombineWarps(s, d, group, out, lse);
+      WriteRows<C>(p, row0, d, group, out, lse);
+    }
+  }
   ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);  // scratch free again
 }
 
 // End of an item: combine the 4 warps, then write the output or a partial result; the CTA that
 // completes a merge group merges it.
-__device__ void Finalize(const KernelParams& p, SharedStorage& s, const StageTag& it,
-                         int64_t row0, int warp, int lane, const float (&o)[16][2], float m,
-                         float l) {
+template <class C>
+__device__ void Finalize(const KernelParams& p, SharedStorage<C>& s, const StageTag& it,
+                         int64_t row0, int warp, int lane, const float (&o)[C::kNTiles][2],
+                         float m, float l, float v_scale) {
   const int g = lane >> 2;
   const int quad = lane & 3;
   const int tid = warp * 32 + lane;
+  const int group = Group<C>(p);
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
-  if (g < kGroupSize) {
+  if (g < group) {
+    if constexpr (!C::kFp8) {
 #pragma unroll
-    for (int n = 0; n < 16; ++n) {
-      *reinterpret_cast<float2*>(&s.scratch_o[warp][g][8 * n + 2 * quad]) =
-          make_float2(o[n][0], o[n][1]);
+      for (int n = 0; n < C::kNTiles; ++n) {
+        *reinterpret_cast<float2*>(&s.scratch_o[warp][g][8 * n + 2 * quad]) =
+            make_float2(o[n][0], o[n][1]);
+      }
+    } else {
+      // o[2c] holds dims 16c + 4 quad and + 2, o[2c + 1] dims 16c + 4 quad + 1 and + 3.
+      const float vs = v_scale;
+#pragma unroll
+      for (int c = 0; c < C::kNTiles / 2; ++c) {
+        *reinterpret_cast<float4*>(&s.scratch_o[warp][g][16 * c + 4 * quad]) =
+            make_float4(o[2 * c][0] * vs, o[2 * c + 1][0] * vs, o[2 * c][1] * vs,
+                        o[2 * c + 1][1] * vs);
+      }
     }
     if (quad == 0) {
       s.scratch_m[warp][g] = m;
@@ -564,20 +1012,71 @@ __device__ void Finalize(const KernelParams& p, SharedStorage& s, const StageTag
     }
   }
   ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
-  float out[kGroupSize];
-  float lse2[kGroupSize];
-  CombineWarps(s, tid, out, lse2);
+  if constexpr (C::kDimsPerThread > 1) {
+    // Head dim 256: each thread's dims one at a time, written before the barrier that frees the
+    // scratch (holding them all at once spills).
+    float* po = it.slot < 0 ? nullptr : p.part_o + int64_t{it.slot} * C::kPartialFloats;
+#pragma unroll
+    for (int i = 0; i < C::kDimsPerThread; ++i) {
+      const int d = tid + i * kConsumerThreads;
+      float out[C::kMaxGroup], lse2[C::kMaxGroup];
+      CombineWarps(s, d, group, out, lse2);
+      if (po == nullptr) {
+        WriteRows<C>(p, row0, d, group, out, lse2);
+      } else {
+#pragma unroll
+        for (int h = 0; h < C::kMaxGroup; ++h) {
+          if (h >= group) break;
+          po[h * C::kHeadDim + d] = out[h];
+        }
+        if (d == 0) {
+#pragma unroll
+          for (int h = 0; h < C::kMaxGroup; ++h) {
+            if (h >= group) break;
+            p.part_lse[it.slot * C::kMaxGroup + h] = lse2[h];
+          }
+        }
+      }
+    }
+    ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
+    if (it.slot < 0) return;
+  } else {
+  float out[C::kDimsPerThread][C::kMaxGroup];
+  float lse2[C::kDimsPerThread][C::kMaxGroup];
+#pragma unroll
+  for (int i = 0; i < C::kDimsPerThread; ++i) {
+    const int d = tid + i * kConsumerThreads;
+    if (C::kHeadDim >= kConsumerThreads || d < C::kHeadDim) CombineWarps(s, d, group, out[i], lse2[i]);
+  }
   ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
+  const bool holds_dims = C::kHeadDim >= kConsumerThreads || tid < C::kHeadDim;
   if (it.slot < 0) {
-    WriteRows(p, row0, tid, out, lse2);
+    if (holds_dims) {
+#pragma unroll
+      for (int i = 0; i < C::kDimsPerThread; ++i) {
+        WriteRows<C>(p, row0, tid + i * kConsumerThreads, group, out[i], lse2[i]);
+      }
+    }
     return;
   }
-  float* po = p.part_o + int64_t{it.slot} * kPartialFloats;
+  float* po = p.part_o + int64_t{it.slot} * C::kPartialFloats;
+  if (holds_dims) {
 #pragma unroll
-  for (int h = 0; h < kGroupSize; ++h) po[h * kHeadDim + tid] = out[h];
+    for (int i = 0; i < C::kDimsPerThread; ++i) {
+#pragma unroll
+      for (int h = 0; h < C::kMaxGroup; ++h) {
+        if (h >= group) break;
+        po[h * C::kHeadDim + tid + i * kConsumerThreads] = out[i][h];
+      }
+    }
+  }
   if (tid == 0) {
 #pragma unroll
-    for (int h = 0; h < kGroupSize; ++h) p.part_lse[it.slot * kGroupSize + h] = lse2[h];
+    for (int h = 0; h < C::kMaxGroup; ++h) {
+      if (h >= group) break;
+      p.part_lse[it.slot * C::kMaxGroup + h] = lse2[0][h];
+    }
+  }
   }
   if (p.merge_mode == kMergeAfterGrid) return;
   // The barrier orders every thread's partial stores before thread 0's release (cumulativity),
@@ -602,7 +1101,7 @@ __device__ void Finalize(const KernelParams& p, SharedStorage& s, const StageTag
   if (s.is_last) {
     if (p.timeline != nullptr && tid == 0) ++s.merges;
     const int2 grp = __ldg(reinterpret_cast<const int2*>(p.groups + it.group));
-    Merge(p, s, MergeGroup{grp.x, grp.y}, row0, warp, lane);
+    Merge<C>(p, s, MergeGroup{grp.x, grp.y}, row0, warp, lane);
   }
 }
 
@@ -627,20 +1126,21 @@ __device__ __forceinline__ unsigned long long StampTime(const KernelParams& p) {
 }
 
 // The consumers follow the stages' tags until the end tag.
-template <bool kAppends>
-__device__ void Consume(const KernelParams& p, SharedStorage& s, int warp, int lane) {
-  const int g = lane >> 2;
-  const int quad = lane & 3;
+template <class C, bool kAppends>
+__device__ void Consume(const KernelParams& p, SharedStorage<C>& s, int warp, int lane) {
   const int tid = warp * 32 + lane;
   const int t0 = warp * kTokensPerWarp;
   int stage = 0;
   uint32_t phase = 0;
   bool first_page = true;
   unsigned long long last_page_time = 0;
-  float o[16][2];
+  float o[C::kNTiles][2];
   float m = -INFINITY;
   float l = 0.0f;
-  uint32_t qa[8][2];
+  uint32_t qa[C::kKSteps][2];
+  // The item's softmax scale in base 2 (fp8 pages: its layer's K scale folded in) and V scale.
+  float scale_log2 = p.scale_log2;
+  float v_scale = 1.0f;
   const bool timed = p.timeline != nullptr;
   unsigned long long items = 0, pages = 0, finish_ns = 0, wait_ns = 0;
   if (timed && tid == 0) s.merges = 0;
@@ -650,11 +1150,9 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, int warp, int l
     if (timed) wait_ns += GlobalTimer() - wait_from;
     const StageTag it = s.tag[stage];
     if (it.page == kTagEnd) break;
-    const int seq = it.seq_head / kNumKvHeads;
-    const int kvh = it.seq_head % kNumKvHeads;
-    const int64_t row0 = int64_t{seq} * kNumQoHeads + kvh * kGroupSize;
+    const int64_t row0 = QueryRow<C>(p, it.seq_head);
     if (it.page == kTagEmpty) {
-      WriteEmpty(p, static_cast<int>(row0), tid);
+      WriteEmpty<C>(p, row0, tid);
     } else {
       if (first_page) {
         Stamp(p, tid, 1, StampTime(p));
@@ -663,39 +1161,38 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, int warp, int l
       ++pages;
       if (it.page == 0) {
 #pragma unroll
-        for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = 0.0f;
+        for (int n = 0; n < C::kNTiles; ++n) o[n][0] = o[n][1] = 0.0f;
         m = -INFINITY;
         l = 0.0f;
-        const uint32_t qrow = ptx::SmemAddr(s.q[stage]) + g * kHeadDim * 2 + quad * 4;
-#pragma unroll
-        for (int ks = 0; ks < 8; ++ks) {
-          qa[ks][0] = g < kGroupSize ? ptx::LdsU32(qrow + ks * 32) : 0u;
-          qa[ks][1] = g < kGroupSize ? ptx::LdsU32(qrow + ks * 32 + 16) : 0u;
+        LoadQuery<C>(p, ptx::SmemAddr(s.q[stage]), Group<C>(p), lane, qa);
+        if constexpr (C::kFp8) {
+          scale_log2 = p.scale_log2 * it.k_scale;
+          v_scale = it.v_scale;
         }
       }
       const int last = kAppends ? it.last_len & kLastLenMask : it.last_len;
-      const int valid = it.page == it.num_pages - 1 ? last : kPageSize;
+      const int valid = it.page == it.num_pages - 1 ? last : kStageTokens;
       if (t0 < valid && !p.skip_attention) {
         const bool tail = valid < t0 + kTokensPerWarp;
         const bool in_shared = tail && p.zero_tail_in_shared;
         if (in_shared) {
-          ZeroVRows(s.stage[stage], valid, t0 + kTokensPerWarp, lane);
+          ZeroVRows<C>(s.stage[stage], valid, t0 + kTokensPerWarp, lane);
           __syncwarp();
         }
-        ProcessTile(ptx::SmemAddr(s.stage[stage]), qa, warp, lane, valid, tail && !in_shared,
-                    p.scale_log2, o, m, l);
+        ProcessTile<C>(ptx::SmemAddr(s.stage[stage]), qa, warp, lane, valid, tail && !in_shared,
+                       scale_log2, o, m, l);
         if (in_shared) ptx::FenceProxyAsync();
       }
     }
     __syncwarp();
     if (lane == 0) ptx::MbarArrive(ptx::SmemAddr(&s.empty[stage]));
-    if (++stage == kStages) {
+    if (++stage == C::kStages) {
       stage = 0;
       phase ^= 1;
     }
     if (it.page >= 0 && it.page == it.num_pages - 1) {
       last_page_time = StampTime(p);
-      Finalize(p, s, it, row0, warp, lane, o, m, l);
+      Finalize<C>(p, s, it, row0, warp, lane, o, m, l, v_scale);
       if (timed) {
         ++items;
         finish_ns += GlobalTimer() - last_page_time;
@@ -715,10 +1212,10 @@ __device__ void Consume(const KernelParams& p, SharedStorage& s, int warp, int l
 }
 
 // kAppends: the plan has appends (decode_plan.h), the producer writes them.
-template <bool kTma, bool kAppends>
+template <class C, bool kTma, bool kAppends>
 __global__ void __launch_bounds__(kThreads, 1) PagedDecodeKernel(const __grid_constant__ KernelParams p) {
   extern __shared__ uint8_t smem_raw[];
-  SharedStorage& s = *reinterpret_cast<SharedStorage*>(
+  SharedStorage<C>& s = *reinterpret_cast<SharedStorage<C>*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -730,7 +1227,7 @@ __global__ void __launch_bounds__(kThreads, 1) PagedDecodeKernel(const __grid_co
   if (head.seq_head < 0 && num_parts <= static_cast<int>(gridDim.x)) return;
   Stamp(p, threadIdx.x, 0, StampTime(p));
   if (threadIdx.x == 0) {
-    for (int i = 0; i < kStages; ++i) {
+    for (int i = 0; i < C::kStages; ++i) {
       ptx::MbarInit(ptx::SmemAddr(&s.full[i]), kTma ? kFullArrivalsTma : kFullArrivalsCpAsync);
       ptx::MbarInit(ptx::SmemAddr(&s.empty[i]), kConsumerWarps);
     }
@@ -742,9 +1239,9 @@ __global__ void __launch_bounds__(kThreads, 1) PagedDecodeKernel(const __grid_co
   }
   __syncthreads();
   if (warp == kConsumerWarps) {
-    Produce<kTma, kAppends>(p, s, head, num_parts, lane);
+    Produce<C, kTma, kAppends>(p, s, head, num_parts, lane);
   } else {
-    Consume<kAppends>(p, s, warp, lane);
+    Consume<C, kAppends>(p, s, warp, lane);
   }
 }
 
@@ -753,12 +1250,12 @@ __global__ void __launch_bounds__(kThreads, 1) PagedDecodeKernel(const __grid_co
 // kernel (programmatic dependent launch: its CTAs are resident and waiting while the decode
 // grid runs). A unit is one query head of one merge group; a CTA takes units blockIdx.x,
 // + gridDim.x, ...; warp w folds pieces w, w+4, ... (kMergeUnroll per round, loads in flight
-// together), lane holds dims 4*lane..4*lane+3; the 4 warps combine through shared memory.
-// It starts merging either once the decode grid is complete (griddepcontrol.wait), or, with
-// on_signal, each group as soon as counters[group] shows all its pieces written (the merges
-// then overlap the rest of the decode grid); then the last of a group's 6 units resets its two
-// counters for the next launch, and the kernel still waits for the decode grid before it ends,
-// so that work after it on the stream may rely on every output.
+// together), lane holds dims N*lane..N*lane+N-1 (N = head_dim / 32); the 4 warps combine
+// through shared memory. It starts merging either once the decode grid is complete
+// (griddepcontrol.wait), or, with on_signal, each group as soon as counters[group] shows all its
+// pieces written (the merges then overlap the rest of the decode grid); then the last of a
+// group's units resets its two counters for the next launch, and the kernel still waits for the
+// decode grid before it ends, so that work after it on the stream may rely on every output.
 inline constexpr int kMergeThreads = 128;
 inline constexpr int kMergeUnroll = 12;
 
@@ -773,22 +1270,32 @@ struct MergeParams {
   int32_t* merged;    // on_signal: units merged per group; zero between launches
   int32_t on_signal;
   unsigned long long* end_stamp;  // benchmarking only: the latest CTA exit (%globaltimer), or null
+  // Shapes other than the default (as KernelParams).
+  int32_t num_qo_heads;
+  int32_t num_kv_heads;
+  int32_t group;
+  int32_t io_fp16;
 };
 
+template <class C>
 __global__ void __launch_bounds__(kMergeThreads) MergeKernel(const __grid_constant__ MergeParams p) {
-  __shared__ float4 s_o[kConsumerWarps][32];
+  constexpr int N = C::kDimsPerLane;
+  const int group = C::kFixed ? kGroupSize : p.group;
+  const int num_kv_heads = C::kFixed ? kNumKvHeads : p.num_kv_heads;
+  const int num_qo_heads = C::kFixed ? kNumQoHeads : p.num_qo_heads;
+  __shared__ alignas(16) float s_o[kConsumerWarps][32 * N];
   __shared__ float s_m[kConsumerWarps];
   __shared__ float s_l[kConsumerWarps];
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   // The plan was copied before the decode kernel started: readable before the wait.
-  const int num_units = __ldg(&p.header->num_groups) * kGroupSize;
+  const int num_units = __ldg(&p.header->num_groups) * group;
   int unit = blockIdx.x;
-  int4 grp = unit < num_units ? __ldg(reinterpret_cast<const int4*>(p.groups + unit / kGroupSize))
+  int4 grp = unit < num_units ? __ldg(reinterpret_cast<const int4*>(p.groups + unit / group))
                               : make_int4(0, 0, 0, 0);
   if (!p.on_signal) ptx::WaitForPrerequisite();
   for (; unit < num_units; unit += gridDim.x) {
-    const int g = unit / kGroupSize;
+    const int g = unit / group;
     if (unit >= static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x)) {
       grp = __ldg(reinterpret_cast<const int4*>(p.groups + g));
     }
@@ -799,63 +1306,111 @@ __global__ void __launch_bounds__(kMergeThreads) MergeKernel(const __grid_consta
       }
       __syncthreads();
     }
-    const int h = unit % kGroupSize;
+    const int h = unit % group;
     const int sb = grp.x;
     const int n = grp.y;
     float m = -INFINITY;
     float l = 0.0f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    Dims<N> acc;
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc.v[i] = 0.0f;
     for (int q0 = warp; q0 < n; q0 += kMergeUnroll * kConsumerWarps) {
-      float4 o[kMergeUnroll];
+      Dims<N> o[kMergeUnroll];
       float ls[kMergeUnroll];
 #pragma unroll
       for (int u = 0; u < kMergeUnroll; ++u) {
         const int q = q0 + u * kConsumerWarps;
         if (q < n) {
           const int64_t slot = int64_t{sb} + q;
-          o[u] = __ldcg(reinterpret_cast<const float4*>(p.part_o + (slot * kGroupSize + h) * kHeadDim) + lane);
-          ls[u] = __ldcg(p.part_lse + slot * kGroupSize + h);
+          o[u] = LoadDims<N>(p.part_o + slot * C::kPartialFloats + h * C::kHeadDim + N * lane);
+          ls[u] = __ldcg(p.part_lse + slot * C::kMaxGroup + h);
         } else {
-          o[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+          for (int i = 0; i < N; ++i) o[u].v[i] = 0.0f;
           ls[u] = -INFINITY;
         }
       }
 #pragma unroll
       for (int u = 0; u < kMergeUnroll; ++u) {
-        FoldPiece(ls[u], o[u], m, l, acc);
+        FoldPiece<N>(ls[u], o[u], m, l, acc);
       }
     }
-    s_o[warp][lane] = acc;
+    StoreDims<N>(&s_o[warp][N * lane], acc);
     if (lane == 0) {
       s_m[warp] = m;
       s_l[warp] = l;
     }
     __syncthreads();
-    const int t = threadIdx.x;  // dim
     float mx = s_m[0];
 #pragma unroll
     for (int w = 1; w < kConsumerWarps; ++w) mx = fmaxf(mx, s_m[w]);
-    float sum = 0.0f;
-    float out = 0.0f;
+    const int seq = grp.z / num_kv_heads;
+    const int kvh = grp.z % num_kv_heads;
+    const int64_t row = int64_t{seq} * num_qo_heads + kvh * group + h;
 #pragma unroll
-    for (int w = 0; w < kConsumerWarps; ++w) {
-      const float e = ptx::Exp2(s_m[w] - mx);
-      sum += e * s_l[w];
-      out += e * reinterpret_cast<const float*>(&s_o[w][0])[t];
+    for (int i = 0; i < C::kDimsPerThread; ++i) {
+      const int t = threadIdx.x + i * kMergeThreads;  // dim
+      if (C::kHeadDim >= kMergeThreads || t < C::kHeadDim) {
+        float sum = 0.0f;
+        float out = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kConsumerWarps; ++w) {
+          const float e = ptx::Exp2(s_m[w] - mx);
+          sum += e * s_l[w];
+          out += e * s_o[w][t];
+        }
+        const bool fp16 = C::kPages == PageKind::kFp16 || (C::kFp8 && p.io_fp16 != 0);
+        p.output[row * C::kHeadDim + t] = fp16 ? ToF16(out / sum) : ToBf16(out / sum);
+        if (t == 0) p.lse[row] = mx + log2f(sum);
+      }
     }
-    const int seq = grp.z / kNumKvHeads;
-    const int kvh = grp.z % kNumKvHeads;
-    const int64_t row = int64_t{seq} * kNumQoHeads + kvh * kGroupSize + h;
-    p.output[row * kHeadDim + t] = ToBf16(out / sum);
-    if (t == 0) p.lse[row] = mx + log2f(sum);
     __syncthreads();
-    if (p.on_signal && t == 0 && atomicAdd(p.merged + g, 1) == kGroupSize - 1) {
+    if (p.on_signal && threadIdx.x == 0 && atomicAdd(p.merged + g, 1) == group - 1) {
       p.counters[g] = 0;  // every unit of the group is past its wait
       p.merged[g] = 0;
     }
   }
   if (p.on_signal) ptx::WaitForPrerequisite();
   if (p.end_stamp != nullptr && threadIdx.x == 0) atomicMax(p.end_stamp, GlobalTimer());
+}
+
+}  // namespace pagedattn::kernels::detail
+
+namespace pagedattn::kernels::detail {
+
+using DecodeFn = void (*)(KernelParams);
+using MergeFn = void (*)(MergeParams);
+
+// The kernels of one Config and what their launches need.
+struct KernelSet {
+  DecodeFn decode[2][2] = {};  // [TMA][appends]; the cp.async path (TMA 0) only for kFixed
+  MergeFn merge = nullptr;
+  size_t smem_bytes = 0;
+  int32_t partial_floats = 0;  // floats of one partial-output slot
+  int32_t max_group = 0;       // query heads per slot (partial lse)
+  int32_t box_dims = 0;        // dims of a TMA box
+  int32_t row_bytes = 0;       // bytes of a box row: 128 (128-byte swizzle) or 64 (64-byte)
+  int32_t stages = 0;
+};
+
+template <class C>
+KernelSet MakeKernelSet() {
+  KernelSet k;
+  k.decode[1][0] = PagedDecodeKernel<C, true, false>;
+  k.decode[1][1] = PagedDecodeKernel<C, true, true>;
+  if constexpr (C::kFixed) {
+    k.decode[0][0] = PagedDecodeKernel<C, false, false>;
+    k.decode[0][1] = PagedDecodeKernel<C, false, true>;
+  }
+  k.merge = MergeKernel<C>;
+  k.smem_bytes = kSmemBytes<C>;
+  k.partial_floats = C::kPartialFloats;
+  k.max_group = C::kMaxGroup;
+  k.box_dims = C::kBoxDims;
+  k.row_bytes = C::kRowBytes;
+  k.stages = C::kStages;
+  static_assert(kSmemBytes<C> <= kSmemLimit, "more shared memory than a Hopper block may opt in to");
+  return k;
 }
 
 }  // namespace pagedattn::kernels::detail

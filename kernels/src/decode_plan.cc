@@ -6,6 +6,8 @@
 
 namespace pagedattn::kernels {
 
+static_assert(kNumKvHeadsDefault == kNumKvHeads && kPageSizeDefault == kPageSize);
+
 size_t PlanCapacity::ItemsOffset() const {
   const size_t groups_end = GroupsOffset() + static_cast<size_t>(MaxGroups()) * sizeof(MergeGroup);
   return (groups_end + 31) / 32 * 32;
@@ -24,15 +26,15 @@ KernelStatus Invalid(std::string message) {
 // Walks the (sequence, KV head) segments of the unit line in order.
 class SegmentCursor {
  public:
-  SegmentCursor(const int32_t* kv_indptr, int32_t batch_size)
-      : indptr_(kv_indptr), batch_size_(batch_size) {
+  SegmentCursor(const int32_t* kv_indptr, int32_t batch_size, int32_t num_kv_heads)
+      : indptr_(kv_indptr), batch_size_(batch_size), heads_(num_kv_heads) {
     SkipEmpty();
   }
   bool done() const { return b_ >= batch_size_; }
   int32_t seq() const { return b_; }
   int32_t head() const { return h_; }
   int32_t pages() const { return indptr_[b_ + 1] - indptr_[b_]; }
-  int64_t begin() const { return 4 * int64_t{indptr_[b_]} + int64_t{h_} * pages(); }
+  int64_t begin() const { return heads_ * int64_t{indptr_[b_]} + int64_t{h_} * pages(); }
   int64_t end() const { return begin() + pages(); }
   // On the weighted line (every segment preceded by `cost` units): where the segment's start
   // cost begins, where its pages begin, and where it ends.
@@ -41,7 +43,7 @@ class SegmentCursor {
   int64_t wend(int64_t cost) const { return wpages(cost) + pages(); }
   void Next() {
     ++index_;
-    if (++h_ == kNumKvHeads) {
+    if (++h_ == heads_) {
       h_ = 0;
       ++b_;
     }
@@ -54,6 +56,7 @@ class SegmentCursor {
   }
   const int32_t* indptr_;
   int32_t batch_size_;
+  int32_t heads_;
   int32_t b_ = 0;
   int h_ = 0;
   int64_t index_ = 0;  // non-empty segments before this one
@@ -74,6 +77,15 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
                    " outside 1.." + std::to_string(kMaxPartsPerCta));
   }
   if (capacity.min_part_units < 1) return Invalid("plan: min_part_units < 1");
+  if (capacity.num_kv_heads < 1 || capacity.num_kv_heads > 256) {
+    return Invalid("plan: num_kv_heads " + std::to_string(capacity.num_kv_heads) +
+                   " outside 1..256");
+  }
+  if (capacity.page_size < 1 || capacity.page_size > kLastLenMask) {
+    return Invalid("plan: page_size " + std::to_string(capacity.page_size) + " outside 1..255");
+  }
+  const int32_t heads = capacity.num_kv_heads;
+  const int32_t page_size = capacity.page_size;
   if (capacity.item_cost_units < 0) return Invalid("plan: item_cost_units < 0");
   // Spare parts (parts_per_cta > 1) must keep min_part_units pages each, which a cost per start
   // would break: the two do not combine.
@@ -98,9 +110,10 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
     }
     if (pages == 0) {
       ++num_empty;
-    } else if (kv_last_page_len[b] < 1 || kv_last_page_len[b] > kPageSize) {
+    } else if (kv_last_page_len[b] < 1 || kv_last_page_len[b] > page_size) {
       return Invalid("plan: kv_last_page_len[" + std::to_string(b) + "] = " +
-                     std::to_string(kv_last_page_len[b]) + " outside 1..64");
+                     std::to_string(kv_last_page_len[b]) + " outside 1.." +
+                     std::to_string(page_size));
     }
     if (append_rows != nullptr && append_rows[b] != -1) {
       if (append_rows[b] < 0 || append_rows[b] >= kMaxAppendRows || pages == 0) {
@@ -118,10 +131,10 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
   const int64_t max_rest = capacity.MaxItems();
 
   const int64_t total_pages = batch_size > 0 ? kv_indptr[batch_size] : 0;
-  const int64_t units = int64_t{kNumKvHeads} * total_pages;
+  const int64_t units = int64_t{heads} * total_pages;
   const int64_t cost = capacity.item_cost_units;
   // The line cut into parts: every non-empty segment's start cost, then its pages.
-  const int64_t line_units = units + cost * int64_t{kNumKvHeads} * (batch_size - num_empty);
+  const int64_t line_units = units + cost * int64_t{heads} * (batch_size - num_empty);
   // As many parts per CTA as keep min_part_units in each, 1..parts_per_cta.
   const int64_t per_cta = units / (int64_t{num_ctas} * capacity.min_part_units);
   const int32_t num_parts =
@@ -137,7 +150,7 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
   int32_t open_group = -1;
   int64_t open_segment_begin = -1;
 
-  SegmentCursor cursor(kv_indptr, batch_size);
+  SegmentCursor cursor(kv_indptr, batch_size, heads);
   int64_t empty_seen = 0;  // empty (seq, head) pairs dealt out so far
   int32_t empty_b = 0;     // scan position for empty sequences
 
@@ -179,8 +192,8 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
         WorkItem item;
         item.page_begin = static_cast<int32_t>(kv_indptr[seg.seq()] + (a - seg.begin()));
         item.num_pages = static_cast<int32_t>(e - a);
-        item.seq_head = seg.seq() * kNumKvHeads + seg.head();
-        item.last_len = kPageSize;
+        item.seq_head = seg.seq() * heads + seg.head();
+        item.last_len = page_size;
         if (e == seg.end()) {
           const int32_t row = append_rows == nullptr ? -1 : append_rows[seg.seq()];
           item.last_len = kv_last_page_len[seg.seq()] | ((row + 1) << kLastLenBits);
@@ -201,17 +214,17 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
       }
     }
     // Empty sequences: each (seq, head) writes zeros and -inf; part c takes an equal share.
-    const int64_t empty_pairs = int64_t{kNumKvHeads} * num_empty;
+    const int64_t empty_pairs = int64_t{heads} * num_empty;
     const int64_t empty_hi = empty_pairs * (line + 1) / num_parts;
     for (; empty_seen < empty_hi; ++empty_seen) {
       while (kv_indptr[empty_b + 1] != kv_indptr[empty_b]) ++empty_b;
       WorkItem item;
       item.page_begin = kv_indptr[empty_b];
       item.num_pages = 0;
-      item.seq_head = empty_b * kNumKvHeads + empty_seen % kNumKvHeads;
+      item.seq_head = empty_b * heads + empty_seen % heads;
       item.last_len = 0;
       if (!emit(item)) return Invalid("plan: item table overflow");
-      if (empty_seen % kNumKvHeads == kNumKvHeads - 1) ++empty_b;
+      if (empty_seen % heads == heads - 1) ++empty_b;
     }
     if (count == 0) {
       items[c] = WorkItem{};
@@ -222,7 +235,7 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
     }
     num_items += count;
   }
-  if (empty_seen != int64_t{kNumKvHeads} * num_empty) {
+  if (empty_seen != int64_t{heads} * num_empty) {
     return Invalid("plan: internal error dealing empty sequences");
   }
 
@@ -232,7 +245,7 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
   *static_cast<PlanHeader*>(table) = header;
   summary->batch_size = batch_size;
   summary->total_pages = total_pages;
-  summary->num_segments = kNumKvHeads * (batch_size - num_empty);
+  summary->num_segments = heads * (batch_size - num_empty);
   summary->num_parts = num_parts;
   summary->num_items = num_items;
   summary->num_groups = num_groups;

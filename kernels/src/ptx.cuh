@@ -118,6 +118,40 @@ __device__ __forceinline__ void MmaRows8(float& d0, float& d1, uint32_t a0, uint
       : "r"(a0), "r"(0u), "r"(a2), "r"(b0), "r"(b1), "f"(0.0f));
 }
 
+// The same with fp16 inputs.
+__device__ __forceinline__ void MmaRows8F16(float& d0, float& d1, uint32_t a0, uint32_t a2,
+                                            uint32_t b0, uint32_t b1) {
+  [[maybe_unused]] float unused2, unused3;
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %5}, {%7, %8}, {%0, %1, %9, %9};"
+      : "+f"(d0), "+f"(d1), "=f"(unused2), "=f"(unused3)
+      : "r"(a0), "r"(0u), "r"(a2), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
+// Two fp8 e4m3 values (bits 0-7 and 8-15 of x) to two fp16 (low and high half), exactly: every
+// e4m3 value, subnormals included, is an fp16 value.
+__device__ __forceinline__ uint32_t E4m3x2ToF16x2(uint32_t x) {
+  uint32_t r;
+  const uint16_t h = static_cast<uint16_t>(x);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(h));
+  return r;
+}
+
+// Two floats to e4m3 (lo in bits 0-7, hi in bits 8-15), round to nearest even and saturating at
+// +-448 (NaN stays NaN), the conversion the CPU's FloatToFp8E4m3 models.
+__device__ __forceinline__ uint16_t F32x2ToE4m3x2(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// Byte permute: result byte i is byte selector[4i..4i+3] of {b, a} (a: bytes 0-3).
+__device__ __forceinline__ uint32_t Prmt(uint32_t a, uint32_t b, uint32_t selector) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(selector));
+  return r;
+}
+
 __device__ __forceinline__ float Exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -127,6 +161,12 @@ __device__ __forceinline__ float Exp2(float x) {
 __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   uint32_t r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t PackF16(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
 

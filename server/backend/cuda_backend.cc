@@ -109,6 +109,7 @@ CudaBackend::Impl::~Impl() {
   if (transfer_stream != nullptr) cudaStreamDestroy(transfer_stream);
   if (k_pool != nullptr) cudaFree(k_pool);
   if (v_pool != nullptr) cudaFree(v_pool);
+  if (layer_scales != nullptr) cudaFree(layer_scales);
   if (shared_stream != nullptr) cudaStreamDestroy(shared_stream);
   cudaGetLastError();
 }
@@ -147,6 +148,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Options& 
 }
 
 absl::StatusOr<CudaBackend::MemoryFit> CudaBackend::PagesThatFit(const Options& options,
+                                                                 const k::Shape& model,
                                                                  int32_t num_layers,
                                                                  int32_t max_batch_size,
                                                                  double fraction) {
@@ -165,7 +167,7 @@ absl::StatusOr<CudaBackend::MemoryFit> CudaBackend::PagesThatFit(const Options& 
   PA_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
   // Staging that does not grow with the pool: the arena without kv_indices, and the outputs.
   StagingCapacity fixed_cap = StagingCapacity::For(
-      {.num_layers = num_layers, .num_pages = 1, .max_batch_size = max_batch_size},
+      {.num_layers = num_layers, .num_pages = 1, .max_batch_size = max_batch_size, .model = model},
       options.staged_tokens);
   fixed_cap.max_kv_indices = 0;
   const int64_t slots = options.max_in_flight;
@@ -173,7 +175,7 @@ absl::StatusOr<CudaBackend::MemoryFit> CudaBackend::PagesThatFit(const Options& 
                         slots * (fixed_cap.ArenaBytes() + RoundLayout::kAlignment +
                                  fixed_cap.OutputBytes() + kDecoderReserveBytes);
   // Per page of a layer: K and V in every layer, and the kv_indices capacity of every slot.
-  const int64_t per_page = int64_t{num_layers} * 2 * k::kPageBytes +
+  const int64_t per_page = int64_t{num_layers} * 2 * model.page_bytes() +
                            slots * std::min(max_batch_size, num_layers) *
                                static_cast<int64_t>(sizeof(int32_t));
   MemoryFit fit;
@@ -205,12 +207,6 @@ absl::Status CudaBackend::Init(const PoolShape& shape) {
   Impl& d = *impl_;
   if (d.init_called) return absl::FailedPreconditionError("backend already initialized");
   if (absl::Status s = ValidatePoolShape(shape); !s.ok()) return s;
-  // The decode kernel is compiled for one model shape (the defaults of kernels::Shape).
-  if (shape.model != k::Shape{}) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the CUDA backend serves ", k::DescribeShape(k::Shape{}), " only, not ",
-        k::DescribeShape(shape.model), "; the CPU backend serves every supported shape"));
-  }
   const int64_t pool_pages = int64_t{shape.num_layers} * shape.num_pages;
   d.init_called = true;
   d.shape = shape;
@@ -223,7 +219,7 @@ absl::Status CudaBackend::Init(const PoolShape& shape) {
 
 absl::Status CudaBackend::Impl::Allocate() {
   PA_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
-  const int64_t pool_bytes = pool_pages * k::kPageBytes;
+  const int64_t pool_bytes = pool_pages * shape.model.page_bytes();
   cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&k_pool), pool_bytes);
   if (e != cudaSuccess) return AllocError("the K pool", pool_bytes, e);
   e = cudaMalloc(reinterpret_cast<void**>(&v_pool), pool_bytes);
@@ -231,12 +227,25 @@ absl::Status CudaBackend::Impl::Allocate() {
   // Zeroed once so that a run is reproducible; the kernel reads no slot it was not given.
   PA_CUDA_RETURN_IF_ERROR(cudaMemset(k_pool, 0, pool_bytes));
   PA_CUDA_RETURN_IF_ERROR(cudaMemset(v_pool, 0, pool_bytes));
+  if (shape.model.kv_dtype == k::DType::kFp8E4m3) {
+    // Each layer's scales, K then V, for the kernels that read or write fp8 pages.
+    std::vector<float> scales(2 * static_cast<size_t>(shape.num_layers));
+    for (int32_t layer = 0; layer < shape.num_layers; ++layer) {
+      scales[layer] = shape.k_scale(layer);
+      scales[shape.num_layers + layer] = shape.v_scale(layer);
+    }
+    const size_t bytes = scales.size() * sizeof(float);
+    e = cudaMalloc(reinterpret_cast<void**>(&layer_scales), bytes);
+    if (e != cudaSuccess) return AllocError("the layer scales", static_cast<int64_t>(bytes), e);
+    PA_CUDA_RETURN_IF_ERROR(cudaMemcpy(layer_scales, scales.data(), bytes, cudaMemcpyHostToDevice));
+  }
   PA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&shared_stream, cudaStreamNonBlocking));
 
   const int64_t out = cap.OutputBytes();
   slots.resize(options.max_in_flight);
   for (Slot& slot : slots) {
     k::CudaDecoder::Options decoder_options;
+    decoder_options.shape = shape.model;
     decoder_options.max_batch_size = shape.max_batch_size;
     decoder_options.device = options.device;
     decoder_options.num_ctas = options.tuning.num_ctas;

@@ -113,7 +113,8 @@ class CudaBackend final : public Backend {
   // The num_pages for which the pool and every staging buffer of these options take at most
   // `fraction` (0, 1] of the device's free memory. INVALID_ARGUMENT for a bad fraction or
   // shape; UNAVAILABLE without a device; INTERNAL for a CUDA error.
-  static absl::StatusOr<MemoryFit> PagesThatFit(const Options& options, int32_t num_layers,
+  static absl::StatusOr<MemoryFit> PagesThatFit(const Options& options,
+                                                const kernels::Shape& model, int32_t num_layers,
                                                 int32_t max_batch_size, double fraction);
 
   ~CudaBackend() override;

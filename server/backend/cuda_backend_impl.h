@@ -90,8 +90,11 @@ struct CudaBackend::Impl {
   bool initialized = false;
   int64_t pool_pages = 0;
   StagingCapacity cap;
-  uint16_t* k_pool = nullptr;  // device [pool_pages, 64, 4, 128] bf16
+  // device [pool_pages, page_size, num_kv_heads, head_dim] in the pages' type
+  uint16_t* k_pool = nullptr;
   uint16_t* v_pool = nullptr;
+  // fp8 pages: device [2, num_layers], each layer's K scales then V scales; else null.
+  float* layer_scales = nullptr;
   cudaStream_t shared_stream = nullptr;  // every slot's, without stream_per_slot
   std::vector<Slot> slots;
   // The pool-done event of the batch launched last: the next batch's pool work waits for it.

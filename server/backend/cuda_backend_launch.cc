@@ -97,7 +97,7 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch,
     }
   } else if (slot.timed && slot.out == OutputMode::kCopyAndUnpack) {
     PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.host_out, slot.dev_out,
-                                            OutputBytes(batch.plan.batch_size()),
+                                            OutputBytes(shape.model, batch.plan.batch_size()),
                                             cudaMemcpyDeviceToHost, stream));
   }
   // Output rows in a client's device memory: copied there on the device.
@@ -172,7 +172,8 @@ absl::Status CudaBackend::Impl::StageRound(Slot& slot, const BackendBatch& batch
     }
   } else if (!rp.direct_rows) {
     for (int32_t s = 0; s < ns; ++s) {
-      copies.Add(h + l.q + s * k::kQueryBytes, batch.q[r.seq_begin + s], k::kQueryBytes);
+      const int64_t q_bytes = shape.model.query_bytes();
+      copies.Add(h + l.q + s * q_bytes, batch.q[r.seq_begin + s], q_bytes);
     }
   }
   if (rp.kv_indices > 0) {
@@ -187,7 +188,7 @@ absl::Status CudaBackend::Impl::StageRound(Slot& slot, const BackendBatch& batch
     // A round whose tokens the kernel writes needs no slots (the plan has the places).
     TokenCursor cursor = rp.cursor;
     const bool rows_packed = !rp.direct_rows && !rp.packed_runs;
-    PackTokens(batch, r.num_tokens(), &cursor,
+    PackTokens(shape.model, batch, r.num_tokens(), &cursor,
                rp.kernel_appends ? nullptr : reinterpret_cast<int64_t*>(h + l.slots),
                rows_packed ? reinterpret_cast<uint16_t*>(h + l.k_rows) : nullptr,
                rows_packed ? reinterpret_cast<uint16_t*>(h + l.v_rows) : nullptr, &copies);
@@ -242,6 +243,7 @@ absl::Status CudaBackend::Impl::LaunchRound(Slot& slot, const BackendBatch& batc
     a.num_copies = static_cast<int32_t>(r.num_copies());
     a.num_layers = shape.num_layers;
     a.layer_pages = shape.num_pages;
+    a.page_bytes = shape.model.page_bytes();
     PA_RETURN_IF_ERROR(KernelFailure(k::LaunchPageCopies(a, stream)));
   }
   if (rp.scatter()) {
@@ -252,6 +254,14 @@ absl::Status CudaBackend::Impl::LaunchRound(Slot& slot, const BackendBatch& batc
     a.k_rows = reinterpret_cast<const uint16_t*>(RowsAt(rp.k_in_place, dev + l.k_rows));
     a.v_rows = reinterpret_cast<const uint16_t*>(RowsAt(rp.v_in_place, dev + l.v_rows));
     a.num_tokens = r.num_tokens();
+    a.token_elems = shape.model.token_elems();
+    a.fp16 = shape.model.dtype == k::DType::kFp16;
+    a.fp8 = shape.model.kv_dtype == k::DType::kFp8E4m3;
+    if (a.fp8) {
+      a.layer_k_scales = layer_scales;
+      a.layer_v_scales = layer_scales + shape.num_layers;
+      a.layer_slots = shape.num_pages * shape.model.page_size;
+    }
     PA_RETURN_IF_ERROR(KernelFailure(k::LaunchTokenScatter(a, stream)));
   }
   if (r.num_sequences() > 0) {
@@ -269,16 +279,23 @@ absl::Status CudaBackend::Impl::LaunchRound(Slot& slot, const BackendBatch& batc
     }
     const int32_t b = batch.plan.batch_size();
     k::DecodeArgs a;
-    a.q = reinterpret_cast<const uint16_t*>(RowsAt(rp.q_in_place, dev + l.q));
+    a.q = RowsAt(rp.q_in_place, dev + l.q);
     a.k_cache = k_pool;
     a.v_cache = v_pool;
     a.kv_indices = reinterpret_cast<const int32_t*>(dev + l.indices);
-    a.output = reinterpret_cast<uint16_t*>(out_base) + int64_t{r.seq_begin} * k::kQueryElems;
-    a.lse = reinterpret_cast<float*>(out_base + LseOffset(b)) +
-            int64_t{r.seq_begin} * k::kNumQoHeads;
+    a.output = out_base + int64_t{r.seq_begin} * shape.model.query_bytes();
+    a.lse = reinterpret_cast<float*>(out_base + LseOffset(shape.model, b)) +
+            int64_t{r.seq_begin} * shape.model.num_qo_heads;
     a.batch_size = r.num_sequences();
     a.num_pages = pool_pages;
     a.sm_scale = batch.sm_scale;
+    a.shape = shape.model;
+    if (shape.model.kv_dtype == k::DType::kFp8E4m3) {
+      // A batch may mix layers: each sequence's scales follow from its pages' layer.
+      a.layer_k_scales = layer_scales;
+      a.layer_v_scales = layer_scales + shape.num_layers;
+      a.layer_pages = shape.num_pages;
+    }
     k::NewTokenRows rows;
     if (rp.kernel_appends) {
       rows.k = reinterpret_cast<const uint16_t*>(RowsAt(rp.k_in_place, dev + l.k_rows));
@@ -359,9 +376,10 @@ absl::Status CudaBackend::Wait(BackendBatch* batch) {
         }
       } else {
         for (int32_t i = 0; i < b; ++i) {
-          d.copies.Add(batch->output[i], slot.host_out + i * k::kQueryBytes, k::kQueryBytes);
-          d.copies.Add(batch->lse[i], slot.host_out + LseOffset(b) + i * k::kLseBytes,
-                       k::kLseBytes);
+          const k::Shape& m = d.shape.model;
+          d.copies.Add(batch->output[i], slot.host_out + i * m.query_bytes(), m.query_bytes());
+          d.copies.Add(batch->lse[i], slot.host_out + LseOffset(m, b) + i * m.lse_bytes(),
+                       m.lse_bytes());
         }
       }
       d.copies.Run(d.copier.get());

@@ -50,10 +50,12 @@ absl::Status CudaBackend::Impl::TransferPages(const std::vector<PageRun>& runs, 
   PA_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
   if (absl::Status s = OrderTransfers(); !s.ok()) return s;
   for (const PageRun& r : runs) {
-    const int64_t at = (int64_t{r.layer} * shape.num_pages + r.page) * k::kPageElems;
-    const size_t bytes = static_cast<size_t>(r.CopyBytes(k::kPageBytes));
-    const char* k_page = reinterpret_cast<const char*>(k_pool + at) + r.offset;
-    const char* v_page = reinterpret_cast<const char*>(v_pool + at) + r.offset;
+    // Byte offsets: pages of any element type.
+    const int64_t page_bytes = shape.model.page_bytes();
+    const int64_t at = (int64_t{r.layer} * shape.num_pages + r.page) * page_bytes;
+    const size_t bytes = static_cast<size_t>(r.CopyBytes(page_bytes));
+    const char* k_page = reinterpret_cast<const char*>(k_pool) + at + r.offset;
+    const char* v_page = reinterpret_cast<const char*>(v_pool) + at + r.offset;
     // A client's CUDA region (this device or a peer, opened with lazy peer access): the
     // runtime picks the path from the unified addresses.
     const cudaMemcpyKind kind = r.on_device ? cudaMemcpyDefault

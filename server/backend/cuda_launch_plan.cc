@@ -104,32 +104,33 @@ const char* OwnDevice(const char* p, int64_t bytes, const LaunchPlanOptions& o) 
 }
 
 // The round's q rows, when they are back to back in the backend's own device memory.
-const char* QInPlace(const BackendBatch& batch, const Round& r, const LaunchPlanOptions& o) {
+const char* QInPlace(const kernels::Shape& model, const BackendBatch& batch, const Round& r,
+                     const LaunchPlanOptions& o) {
   const int32_t ns = r.num_sequences();
   if (ns == 0) return nullptr;
   const char* const first = reinterpret_cast<const char*>(batch.q[r.seq_begin]);
   for (int32_t s = 1; s < ns; ++s) {
     if (reinterpret_cast<const char*>(batch.q[r.seq_begin + s]) !=
-        first + int64_t{s} * kernels::kQueryBytes) {
+        first + int64_t{s} * model.query_bytes()) {
       return nullptr;
     }
   }
-  return OwnDevice(first, int64_t{ns} * kernels::kQueryBytes, o);
+  return OwnDevice(first, int64_t{ns} * model.query_bytes(), o);
 }
 
 // The K (or V) rows of the round's written tokens, when they are back to back in the
 // backend's own device memory.
-const char* RowsInPlace(const BackendBatch& batch, const Round& r, TokenCursor c, bool k_side,
-                        const LaunchPlanOptions& o) {
+const char* RowsInPlace(const kernels::Shape& model, const BackendBatch& batch, const Round& r,
+                        TokenCursor c, bool k_side, const LaunchPlanOptions& o) {
   const char* first = nullptr;
   int64_t done = 0;
   while (done < r.num_tokens()) {
     const TokenWrite& w = batch.writes[c.write];
     const int64_t n = std::min<int64_t>(r.num_tokens() - done, w.num_tokens - c.offset);
     const char* src = reinterpret_cast<const char*>((k_side ? w.k : w.v) +
-                                                    int64_t{c.offset} * kernels::kTokenElems);
+                                                    int64_t{c.offset} * model.token_elems());
     if (first == nullptr) first = src;
-    if (src != first + done * kernels::kTokenBytes) return nullptr;
+    if (src != first + done * model.token_bytes()) return nullptr;
     done += n;
     c.offset += static_cast<int32_t>(n);
     if (c.offset == w.num_tokens) {
@@ -137,18 +138,20 @@ const char* RowsInPlace(const BackendBatch& batch, const Round& r, TokenCursor c
       c.offset = 0;
     }
   }
-  return OwnDevice(first, r.num_tokens() * kernels::kTokenBytes, o);
+  return OwnDevice(first, r.num_tokens() * model.token_bytes(), o);
 }
 
 // The pieces of a round's rows in the arena, in RowRuns' order (q rows, K rows, V rows),
 // leaving out the rows the kernels read in place.
-void SortRowPieces(const BackendBatch& batch, const RoundPlan& rp, TokenCursor cursor,
-                   PieceSorter* sorter) {
+void SortRowPieces(const kernels::Shape& model, const BackendBatch& batch, const RoundPlan& rp,
+                   TokenCursor cursor, PieceSorter* sorter) {
   const Round& r = rp.round;
   const RoundLayout& l = rp.layout;
+  const int64_t q_bytes = model.query_bytes();
+  const int64_t row_elems = model.token_elems();
+  const int64_t row_bytes = model.token_bytes();
   for (int32_t s = 0; s < r.num_sequences() && rp.q_in_place == nullptr; ++s) {
-    sorter->Add(batch.q[r.seq_begin + s], l.q + int64_t{s} * kernels::kQueryBytes,
-                kernels::kQueryBytes);
+    sorter->Add(batch.q[r.seq_begin + s], l.q + int64_t{s} * q_bytes, q_bytes);
   }
   for (const bool k_side : {true, false}) {
     if ((k_side ? rp.k_in_place : rp.v_in_place) != nullptr) continue;
@@ -158,8 +161,8 @@ void SortRowPieces(const BackendBatch& batch, const RoundPlan& rp, TokenCursor c
     while (done < r.num_tokens()) {
       const TokenWrite& w = batch.writes[c.write];
       const int64_t n = std::min<int64_t>(r.num_tokens() - done, w.num_tokens - c.offset);
-      const uint16_t* src = (k_side ? w.k : w.v) + int64_t{c.offset} * kernels::kTokenElems;
-      sorter->Add(src, base + done * kernels::kTokenBytes, n * kernels::kTokenBytes);
+      const uint16_t* src = (k_side ? w.k : w.v) + int64_t{c.offset} * row_elems;
+      sorter->Add(src, base + done * row_bytes, n * row_bytes);
       done += n;
       c.offset += static_cast<int32_t>(n);
       if (c.offset == w.num_tokens) {
@@ -171,13 +174,14 @@ void SortRowPieces(const BackendBatch& batch, const RoundPlan& rp, TokenCursor c
 }
 
 // The pieces of a batch's outputs in the output buffer, in OutputRuns' order.
-void SortOutputPieces(const BackendBatch& batch, PieceSorter* sorter) {
+void SortOutputPieces(const kernels::Shape& model, const BackendBatch& batch,
+                      PieceSorter* sorter) {
   const int32_t b = batch.plan.batch_size();
   for (int32_t i = 0; i < b; ++i) {
-    sorter->Add(batch.output[i], int64_t{i} * kernels::kQueryBytes, kernels::kQueryBytes);
+    sorter->Add(batch.output[i], int64_t{i} * model.query_bytes(), model.query_bytes());
   }
   for (int32_t i = 0; i < b; ++i) {
-    sorter->Add(batch.lse[i], LseOffset(b) + i * kernels::kLseBytes, kernels::kLseBytes);
+    sorter->Add(batch.lse[i], LseOffset(model, b) + i * model.lse_bytes(), model.lse_bytes());
   }
 }
 
@@ -191,6 +195,7 @@ absl::Status Straddling(absl::string_view what) {
 absl::Status PlanLaunch(const BackendBatch& batch, const StagingCapacity& capacity,
                         const LaunchPlanOptions& options, LaunchPlan* plan) {
   const kernels::Plan& kp = batch.plan;
+  const kernels::Shape& model = capacity.model;
   plan->rounds.clear();
   plan->indptr.clear();
   plan->row_runs.clear();
@@ -222,18 +227,18 @@ absl::Status PlanLaunch(const BackendBatch& batch, const StagingCapacity& capaci
         }
       }
     }
-    rp.layout = LayoutRound(ns, rp.kv_indices, r.num_copies(), r.num_tokens(),
+    rp.layout = LayoutRound(model, ns, rp.kv_indices, r.num_copies(), r.num_tokens(),
                             capacity.plan_bytes);
     rp.cursor = cursor;
     bool sorted = false;
     if (registered) {
-      rp.q_in_place = QInPlace(batch, r, options);
-      rp.k_in_place = RowsInPlace(batch, r, cursor, /*k_side=*/true, options);
-      rp.v_in_place = RowsInPlace(batch, r, cursor, /*k_side=*/false, options);
+      rp.q_in_place = QInPlace(model, batch, r, options);
+      rp.k_in_place = RowsInPlace(model, batch, r, cursor, /*k_side=*/true, options);
+      rp.v_in_place = RowsInPlace(model, batch, r, cursor, /*k_side=*/false, options);
       const bool in_place = rp.q_in_place != nullptr || rp.k_in_place != nullptr ||
                             rp.v_in_place != nullptr;
       PieceSorter sorter(options, &plan->scratch_runs, &plan->scratch_device);
-      SortRowPieces(batch, rp, cursor, &sorter);
+      SortRowPieces(model, batch, rp, cursor, &sorter);
       if (sorter.straddles()) return Straddling("q, k or v");
       if (sorter.registered() || in_place) {
         sorted = true;
@@ -248,7 +253,7 @@ absl::Status PlanLaunch(const BackendBatch& batch, const StagingCapacity& capaci
     // An empty list of runs (a round of page copies only) counts as direct: only its tables
     // travel, in one copy.
     if (!sorted) {
-      rp.direct_rows = RowRuns(batch, r.seq_begin, ns, r.num_tokens(), cursor, rp.layout,
+      rp.direct_rows = RowRuns(model, batch, r.seq_begin, ns, r.num_tokens(), cursor, rp.layout,
                                &plan->scratch_runs, max_runs) &&
                        InRing(plan->scratch_runs, options);
     }
@@ -259,7 +264,7 @@ absl::Status PlanLaunch(const BackendBatch& batch, const StagingCapacity& capaci
       rp.runs_end = static_cast<int32_t>(plan->row_runs.size());
     }
     rp.kernel_appends = options.kernel_appends && ns > 0 &&
-                        KernelAppendRows(batch, r, &plan->scratch_rows);
+                        KernelAppendRows(model, batch, r, &plan->scratch_rows);
     if (rp.kernel_appends) {
       rp.append_begin = static_cast<int64_t>(plan->append_rows.size());
       plan->append_rows.insert(plan->append_rows.end(), plan->scratch_rows.begin(),
@@ -274,7 +279,7 @@ absl::Status PlanLaunch(const BackendBatch& batch, const StagingCapacity& capaci
   plan->output = OutputMode::kCopyAndUnpack;
   if (b > 0 && registered) {
     PieceSorter sorter(options, &plan->out_runs, &plan->out_device_runs);
-    SortOutputPieces(batch, &sorter);
+    SortOutputPieces(model, batch, &sorter);
     if (sorter.straddles()) return Straddling("output or lse");
     if (sorter.registered()) {
       if (plan->out_runs.empty() && plan->out_device_runs.size() == 1 &&
@@ -292,7 +297,7 @@ absl::Status PlanLaunch(const BackendBatch& batch, const StagingCapacity& capaci
     plan->out_runs.clear();
     plan->out_device_runs.clear();
   }
-  if (b > 0 && OutputRuns(batch, &plan->out_runs, max_runs) && InRing(plan->out_runs, options)) {
+  if (b > 0 && OutputRuns(model, batch, &plan->out_runs, max_runs) && InRing(plan->out_runs, options)) {
     plan->output = plan->out_runs.size() == 1 && options.kernel_writes_outputs
                        ? OutputMode::kKernelWrites
                        : OutputMode::kCopyToBlocks;

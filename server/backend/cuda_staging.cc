@@ -17,8 +17,6 @@ int64_t AlignUp(int64_t n) {
   return (n + a - 1) / a * a;
 }
 
-constexpr int64_t kRowBytes = k::kTokenBytes;
-
 }  // namespace
 
 StagingCapacity StagingCapacity::For(const Backend::PoolShape& shape, int64_t staged_tokens) {
@@ -27,27 +25,31 @@ StagingCapacity StagingCapacity::For(const Backend::PoolShape& shape, int64_t st
   c.max_page_copies = shape.max_batch_size;
   c.max_tokens = std::max<int64_t>(staged_tokens, shape.max_batch_size);
   c.max_kv_indices = std::min<int64_t>(shape.max_batch_size, shape.num_layers) * shape.num_pages;
+  c.model = shape.model;
   return c;
 }
 
 int64_t StagingCapacity::ArenaBytes() const {
-  return LayoutRound(max_sequences, max_kv_indices, max_page_copies, max_tokens, plan_bytes).bytes;
+  return LayoutRound(model, max_sequences, max_kv_indices, max_page_copies, max_tokens,
+                     plan_bytes)
+      .bytes;
 }
 
-int64_t StagingCapacity::OutputBytes() const { return pagedattn::OutputBytes(max_sequences); }
+int64_t StagingCapacity::OutputBytes() const {
+  return pagedattn::OutputBytes(model, max_sequences);
+}
 
-RoundLayout LayoutRound(int32_t sequences, int64_t kv_indices, int64_t copies, int64_t tokens,
-                        int64_t plan_bytes) {
+RoundLayout LayoutRound(const k::Shape& model, int32_t sequences, int64_t kv_indices,
+                        int64_t copies, int64_t tokens, int64_t plan_bytes) {
   RoundLayout l;
   int64_t at = 0;
-  static_assert(k::kQueryBytes % RoundLayout::kAlignment == 0 && kRowBytes % RoundLayout::kAlignment == 0,
-                "rows back to back");
+  const int64_t row_bytes = model.token_bytes();
   l.q = at;
-  at = AlignUp(at + int64_t{sequences} * k::kQueryBytes);
+  at = AlignUp(at + int64_t{sequences} * model.query_bytes());
   l.k_rows = at;
-  at = AlignUp(at + tokens * kRowBytes);
+  at = AlignUp(at + tokens * row_bytes);
   l.v_rows = at;
-  at = AlignUp(at + tokens * kRowBytes);
+  at = AlignUp(at + tokens * row_bytes);
   l.indices = at;
   at = AlignUp(at + kv_indices * static_cast<int64_t>(sizeof(int32_t)));
   l.copies = at;
@@ -100,8 +102,11 @@ int64_t WrittenTokens(const BackendBatch& batch) {
   return n;
 }
 
-void PackTokens(const BackendBatch& batch, int64_t count, TokenCursor* cursor, int64_t* slots,
-                uint16_t* k_rows, uint16_t* v_rows, CopyList* copies) {
+void PackTokens(const k::Shape& model, const BackendBatch& batch, int64_t count,
+                TokenCursor* cursor, int64_t* slots, uint16_t* k_rows, uint16_t* v_rows,
+                CopyList* copies) {
+  const int64_t row_elems = model.token_elems();
+  const int64_t row_bytes = model.token_bytes();
   int64_t done = 0;
   while (done < count) {
     const TokenWrite& w = batch.writes[cursor->write];
@@ -112,12 +117,12 @@ void PackTokens(const BackendBatch& batch, int64_t count, TokenCursor* cursor, i
                     n * sizeof(int64_t));
       }
       if (k_rows != nullptr) {
-        copies->Add(k_rows + done * k::kTokenElems, w.k + int64_t{cursor->offset} * k::kTokenElems,
-                    n * kRowBytes);
+        copies->Add(k_rows + done * row_elems, w.k + int64_t{cursor->offset} * row_elems,
+                    n * row_bytes);
       }
       if (v_rows != nullptr) {
-        copies->Add(v_rows + done * k::kTokenElems, w.v + int64_t{cursor->offset} * k::kTokenElems,
-                    n * kRowBytes);
+        copies->Add(v_rows + done * row_elems, w.v + int64_t{cursor->offset} * row_elems,
+                    n * row_bytes);
       }
       done += n;
       cursor->offset += static_cast<int32_t>(n);
@@ -129,7 +134,8 @@ void PackTokens(const BackendBatch& batch, int64_t count, TokenCursor* cursor, i
   }
 }
 
-bool KernelAppendRows(const BackendBatch& batch, const Round& r, std::vector<int32_t>* rows) {
+bool KernelAppendRows(const k::Shape& model, const BackendBatch& batch, const Round& r,
+                      std::vector<int32_t>* rows) {
   if (!batch.sequences_distinct || r.num_tokens() == 0) return false;
   const kernels::Plan& plan = batch.plan;
   rows->assign(r.num_sequences(), -1);
@@ -138,7 +144,7 @@ bool KernelAppendRows(const BackendBatch& batch, const Round& r, std::vector<int
     const int32_t end = plan.kv_indptr[s + 1];
     if (end == plan.kv_indptr[s]) continue;
     const int64_t last_slot =
-        int64_t{plan.kv_indices[end - 1]} * kernels::kPageSize + plan.kv_last_page_len[s] - 1;
+        int64_t{plan.kv_indices[end - 1]} * model.page_size + plan.kv_last_page_len[s] - 1;
     if (batch.write_slots[t] == last_slot) {
       (*rows)[s - r.seq_begin] = static_cast<int32_t>(t - r.token_begin);
       ++t;
@@ -160,12 +166,15 @@ void AddRun(const void* host, int64_t offset, int64_t bytes, std::vector<DeviceR
   runs->push_back(DeviceRun{h, offset, bytes});
 }
 
-bool RowRuns(const BackendBatch& batch, int32_t seq_begin, int32_t ns, int64_t count,
-             TokenCursor cursor, const RoundLayout& l, std::vector<DeviceRun>* runs,
-             size_t max_runs) {
+bool RowRuns(const k::Shape& model, const BackendBatch& batch, int32_t seq_begin, int32_t ns,
+             int64_t count, TokenCursor cursor, const RoundLayout& l,
+             std::vector<DeviceRun>* runs, size_t max_runs) {
   runs->clear();
+  const int64_t q_bytes = model.query_bytes();
+  const int64_t row_elems = model.token_elems();
+  const int64_t row_bytes = model.token_bytes();
   for (int32_t s = 0; s < ns; ++s) {
-    AddRun(batch.q[seq_begin + s], l.q + int64_t{s} * k::kQueryBytes, k::kQueryBytes, runs);
+    AddRun(batch.q[seq_begin + s], l.q + int64_t{s} * q_bytes, q_bytes, runs);
     if (runs->size() > max_runs) return false;
   }
   // K rows of all `count` tokens, then their V rows: two walks from the same cursor.
@@ -176,8 +185,8 @@ bool RowRuns(const BackendBatch& batch, int32_t seq_begin, int32_t ns, int64_t c
     while (done < count) {
       const TokenWrite& w = batch.writes[c.write];
       const int64_t n = std::min<int64_t>(count - done, w.num_tokens - c.offset);
-      const uint16_t* src = (k_side ? w.k : w.v) + int64_t{c.offset} * k::kTokenElems;
-      AddRun(src, base + done * kRowBytes, n * kRowBytes, runs);
+      const uint16_t* src = (k_side ? w.k : w.v) + int64_t{c.offset} * row_elems;
+      AddRun(src, base + done * row_bytes, n * row_bytes, runs);
       if (runs->size() > max_runs) return false;
       done += n;
       c.offset += static_cast<int32_t>(n);
@@ -190,15 +199,18 @@ bool RowRuns(const BackendBatch& batch, int32_t seq_begin, int32_t ns, int64_t c
   return true;
 }
 
-bool OutputRuns(const BackendBatch& batch, std::vector<DeviceRun>* runs, size_t max_runs) {
+bool OutputRuns(const k::Shape& model, const BackendBatch& batch, std::vector<DeviceRun>* runs,
+                size_t max_runs) {
   runs->clear();
   const int32_t b = batch.plan.batch_size();
+  const int64_t q_bytes = model.query_bytes();
+  const int64_t lse_bytes = model.lse_bytes();
   for (int32_t i = 0; i < b; ++i) {
-    AddRun(batch.output[i], int64_t{i} * k::kQueryBytes, k::kQueryBytes, runs);
+    AddRun(batch.output[i], int64_t{i} * q_bytes, q_bytes, runs);
     if (runs->size() > max_runs) return false;
   }
   for (int32_t i = 0; i < b; ++i) {
-    AddRun(batch.lse[i], LseOffset(b) + i * k::kLseBytes, k::kLseBytes, runs);
+    AddRun(batch.lse[i], LseOffset(model, b) + i * lse_bytes, lse_bytes, runs);
     if (runs->size() > max_runs) return false;
   }
   return true;

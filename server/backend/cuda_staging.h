@@ -29,6 +29,7 @@ struct StagingCapacity {
   int64_t max_tokens = 0;       // token writes (slot, K row, V row) per round
   int64_t max_kv_indices = 0;   // kv_indices entries per round
   int64_t plan_bytes = 0;       // the decoder's plan tables (CudaDecoder::table_bytes)
+  kernels::Shape model;         // the sizes of q, rows, outputs and pages
 
   // max_sequences = max_batch_size; max_page_copies = max_batch_size (the engine copies at
   // most one page per sequence step); max_tokens = max(staged_tokens, max_batch_size), so a
@@ -50,25 +51,30 @@ struct StagingCapacity {
 // units), in the order of the engine's host block (engine.cc), so that the rows of a batch of
 // one request are one run of bytes in both; the tables (indices, copies, slots, and the
 // decoder's plan) follow.
+// Every supported shape's q and token rows are whole 128-byte units (head_dim * 2 bytes is
+// 128, 256 or 512).
 struct RoundLayout {
   static constexpr int64_t kAlignment = 128;
-  int64_t q = 0;        // bf16 [sequences, 24, 128]
-  int64_t k_rows = 0;   // bf16 [tokens, 4, 128]
-  int64_t v_rows = 0;   // bf16 [tokens, 4, 128]
+  int64_t q = 0;        // [sequences, num_qo_heads, head_dim] in the callers' type
+  int64_t k_rows = 0;   // [tokens, num_kv_heads, head_dim] in the callers' type
+  int64_t v_rows = 0;   // the same
   int64_t indices = 0;  // int32 [kv_indices]
   int64_t copies = 0;   // PageCopy [copies] (int32 src, dst)
   int64_t slots = 0;    // int64 [tokens]
   int64_t plan = 0;     // the decoder's plan tables [plan_bytes], last (only a prefix is used)
   int64_t bytes = 0;    // the whole round: [0, indices) rows, [indices, bytes) tables
 };
-RoundLayout LayoutRound(int32_t sequences, int64_t kv_indices, int64_t copies, int64_t tokens,
-                        int64_t plan_bytes = 0);
+RoundLayout LayoutRound(const kernels::Shape& model, int32_t sequences, int64_t kv_indices,
+                        int64_t copies, int64_t tokens, int64_t plan_bytes = 0);
 
-// Output buffer of a batch of b sequences: output bf16 [b, 24, 128] at 0, lse fp32 [b, 24] at
-// LseOffset(b); OutputBytes(b) in all (one device-to-host copy).
-inline int64_t LseOffset(int32_t b) { return int64_t{b} * kernels::kQueryElems * 2; }
-inline int64_t OutputBytes(int32_t b) {
-  return LseOffset(b) + int64_t{b} * kernels::kNumQoHeads * 4;
+// Output buffer of a batch of b sequences: output [b, num_qo_heads, head_dim] in the callers'
+// type at 0, lse fp32 [b, num_qo_heads] at LseOffset(b); OutputBytes(b) in all (one
+// device-to-host copy).
+inline int64_t LseOffset(const kernels::Shape& model, int32_t b) {
+  return int64_t{b} * model.query_bytes();
+}
+inline int64_t OutputBytes(const kernels::Shape& model, int32_t b) {
+  return LseOffset(model, b) + int64_t{b} * model.lse_bytes();
 }
 
 struct Round {
@@ -97,12 +103,13 @@ struct TokenCursor {
 };
 
 // Adds to `copies` the packing of the next `count` written tokens at *cursor into slots
-// [count], k_rows and v_rows [count, 4, 128], and advances the cursor (the bytes move when the
+// [count], k_rows and v_rows [count, num_kv_heads, head_dim], and advances the cursor (the bytes move when the
 // caller runs the list). The caller asks for no more tokens than are left. With k_rows and
 // v_rows null only the slots are packed (the rows travel as DeviceRuns); with slots null too,
 // nothing is (the kernel writes the tokens: only the cursor moves).
-void PackTokens(const BackendBatch& batch, int64_t count, TokenCursor* cursor, int64_t* slots,
-                uint16_t* k_rows, uint16_t* v_rows, CopyList* copies);
+void PackTokens(const kernels::Shape& model, const BackendBatch& batch, int64_t count,
+                TokenCursor* cursor, int64_t* slots, uint16_t* k_rows, uint16_t* v_rows,
+                CopyList* copies);
 
 // Whether the round's written tokens can be written by the decode kernel itself (kernels::
 // CudaDecoder's appends): the batch's sequences are distinct (BackendBatch::sequences_distinct)
@@ -110,7 +117,8 @@ void PackTokens(const BackendBatch& batch, int64_t count, TokenCursor* cursor, i
 // sequences, in plan order (a batch of decode steps). Then (*rows)[s] is the round-local token
 // of sequence r.seq_begin + s, or -1 for a sequence without one (an attend-only Decode), and
 // the round needs no scatter. False for a round without tokens; `rows` is then unspecified.
-bool KernelAppendRows(const BackendBatch& batch, const Round& r, std::vector<int32_t>* rows);
+bool KernelAppendRows(const kernels::Shape& model, const BackendBatch& batch, const Round& r,
+                      std::vector<int32_t>* rows);
 
 // Bytes that move between host memory and a device buffer in one copy: `bytes` at `host` and
 // at `offset` in the buffer.
@@ -129,14 +137,14 @@ void AddRun(const void* host, int64_t offset, int64_t bytes, std::vector<DeviceR
 // from `cursor` (which is not advanced). `runs` is cleared first. Stops and returns false as
 // soon as there are more than max_runs runs (then `runs` holds only the first ones); true when
 // every run is in.
-bool RowRuns(const BackendBatch& batch, int32_t seq_begin, int32_t ns, int64_t count,
-             TokenCursor cursor, const RoundLayout& l, std::vector<DeviceRun>* runs,
-             size_t max_runs = SIZE_MAX);
+bool RowRuns(const kernels::Shape& model, const BackendBatch& batch, int32_t seq_begin,
+             int32_t ns, int64_t count, TokenCursor cursor, const RoundLayout& l,
+             std::vector<DeviceRun>* runs, size_t max_runs = SIZE_MAX);
 
 // The runs of a batch's outputs in the output buffer: output rows to batch.output, then lse rows
 // to batch.lse (see OutputBytes). `runs` is cleared first. max_runs and the result as RowRuns'.
-bool OutputRuns(const BackendBatch& batch, std::vector<DeviceRun>* runs,
-                size_t max_runs = SIZE_MAX);
+bool OutputRuns(const kernels::Shape& model, const BackendBatch& batch,
+                std::vector<DeviceRun>* runs, size_t max_runs = SIZE_MAX);
 
 // Pages per layer that fit in budget_bytes: each page costs bytes_per_page (K and V of every
 // layer, and whatever staging grows with the pool), after fixed_bytes; clamped so that

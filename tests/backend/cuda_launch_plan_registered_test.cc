@@ -89,7 +89,7 @@ TEST_F(RegisteredPlanTest, OneRequestInDeviceMemoryIsCopiedOnTheDeviceAndTheKern
   EXPECT_TRUE(plan.out_device);
   ASSERT_EQ(plan.out_runs.size(), 1u);
   EXPECT_EQ(plan.out_runs[0].host + plan.out_runs[0].bytes, end);
-  EXPECT_EQ(plan.out_runs[0].bytes, OutputBytes(3));
+  EXPECT_EQ(plan.out_runs[0].bytes, OutputBytes(k::Shape{}, 3));
   EXPECT_TRUE(plan.out_device_runs.empty());
 }
 
@@ -103,7 +103,7 @@ TEST_F(RegisteredPlanTest, WithoutKernelWritesDeviceOutputsAreCopiedOnTheDevice)
   EXPECT_TRUE(plan.out_runs.empty());
   ASSERT_EQ(plan.out_device_runs.size(), 1u);
   EXPECT_EQ(plan.out_device_runs[0].offset, 0);
-  EXPECT_EQ(plan.out_device_runs[0].bytes, OutputBytes(2));
+  EXPECT_EQ(plan.out_device_runs[0].bytes, OutputBytes(k::Shape{}, 2));
 }
 
 TEST_F(RegisteredPlanTest, DeviceRowsOfAMixedBatchAreNeverPackedNorUnpacked) {
@@ -132,11 +132,11 @@ TEST_F(RegisteredPlanTest, DeviceRowsOfAMixedBatchAreNeverPackedNorUnpacked) {
   EXPECT_TRUE(plan.unpack_runs);
   ASSERT_EQ(plan.out_runs.size(), 2u);
   EXPECT_EQ(plan.out_runs[0].offset, 0);
-  EXPECT_EQ(plan.out_runs[1].offset, LseOffset(5));
+  EXPECT_EQ(plan.out_runs[1].offset, LseOffset(k::Shape{}, 5));
   ASSERT_EQ(plan.out_device_runs.size(), 2u);
   EXPECT_EQ(plan.out_device_runs[0].offset, 2 * k::kQueryBytes);
   EXPECT_EQ(plan.out_device_runs[0].bytes, 3 * k::kQueryBytes);
-  EXPECT_EQ(plan.out_device_runs[1].offset, LseOffset(5) + 2 * k::kLseBytes);
+  EXPECT_EQ(plan.out_device_runs[1].offset, LseOffset(k::Shape{}, 5) + 2 * k::kLseBytes);
   EXPECT_EQ(plan.out_device_runs[1].bytes, 3 * k::kLseBytes);
   ExpectNoHostRunInDevice(plan);
 }

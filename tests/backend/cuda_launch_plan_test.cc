@@ -53,7 +53,7 @@ TEST_F(LaunchPlanTest, OneRequestInTheRingGoesInOneCopyAndTheKernelWritesItsOutp
   const LaunchPlan plan = Plan(b.batch());
   ASSERT_EQ(plan.rounds.size(), 1u);
   const RoundPlan& r = plan.rounds[0];
-  EXPECT_EQ(r.layout.bytes, LayoutRound(3, 3, 0, 3, Capacity().plan_bytes).bytes);
+  EXPECT_EQ(r.layout.bytes, LayoutRound(k::Shape{}, 3, 3, 0, 3, Capacity().plan_bytes).bytes);
   EXPECT_EQ(r.kv_begin, 0);
   EXPECT_EQ(r.kv_indices, 3);
   ASSERT_TRUE(r.direct_rows);
@@ -66,7 +66,7 @@ TEST_F(LaunchPlanTest, OneRequestInTheRingGoesInOneCopyAndTheKernelWritesItsOutp
   EXPECT_EQ(plan.output, OutputMode::kKernelWrites);
   ASSERT_EQ(plan.out_runs.size(), 1u);
   EXPECT_EQ(plan.out_runs[0].host + plan.out_runs[0].bytes, end);
-  EXPECT_EQ(plan.out_runs[0].bytes, OutputBytes(3));
+  EXPECT_EQ(plan.out_runs[0].bytes, OutputBytes(k::Shape{}, 3));
   EXPECT_EQ(plan.RoundIndptr(r, b.batch()), b.batch().plan.kv_indptr.data());
 }
 
@@ -97,7 +97,7 @@ TEST_F(LaunchPlanTest, TwoRequestsAreCopiedRunByRunBothWays) {
   // Outputs and lse: two runs each, into the blocks.
   EXPECT_EQ(plan.output, OutputMode::kCopyToBlocks);
   ASSERT_EQ(plan.out_runs.size(), 4u);
-  EXPECT_EQ(plan.out_runs[2].offset, LseOffset(3));
+  EXPECT_EQ(plan.out_runs[2].offset, LseOffset(k::Shape{}, 3));
 }
 
 TEST_F(LaunchPlanTest, MoreRunsThanTheDirectLimitArePackedAndUnpacked) {
@@ -195,7 +195,7 @@ TEST_F(LaunchPlanTest, ALongWriteIsStagedInRoundsEachFromItsOwnToken) {
     EXPECT_EQ(r.cursor.write, want[i].write);
     EXPECT_EQ(r.cursor.offset, want[i].offset);
     EXPECT_EQ(r.round.token_begin, int64_t{4} * i);
-    EXPECT_EQ(r.layout.bytes, LayoutRound(r.round.num_sequences(), r.kv_indices, 0,
+    EXPECT_EQ(r.layout.bytes, LayoutRound(k::Shape{}, r.round.num_sequences(), r.kv_indices, 0,
                                           r.round.num_tokens(), cap.plan_bytes)
                                   .bytes);
     if (i < 3) {

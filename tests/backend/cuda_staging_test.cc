@@ -73,15 +73,15 @@ TEST(StagingCapacityTest, ADecodeStepAlwaysFitsOneRound) {
 
 TEST(StagingCapacityTest, ArenaHoldsAnyRoundWithinCapacity) {
   const StagingCapacity c = Cap(64, 64, 8192, 4096);
-  const RoundLayout full = LayoutRound(64, 4096, 64, 8192);
+  const RoundLayout full = LayoutRound(k::Shape{}, 64, 4096, 64, 8192);
   EXPECT_EQ(c.ArenaBytes(), full.bytes);
-  EXPECT_LE(LayoutRound(1, 1, 1, 1).bytes, c.ArenaBytes());
-  EXPECT_LE(LayoutRound(64, 4096, 0, 0).bytes, c.ArenaBytes());
+  EXPECT_LE(LayoutRound(k::Shape{}, 1, 1, 1, 1).bytes, c.ArenaBytes());
+  EXPECT_LE(LayoutRound(k::Shape{}, 64, 4096, 0, 0).bytes, c.ArenaBytes());
   EXPECT_EQ(c.OutputBytes(), 64 * (k::kQueryElems * 2 + k::kNumQoHeads * 4));
 }
 
 TEST(RoundLayoutTest, PartsAreAlignedAndDisjoint) {
-  const RoundLayout l = LayoutRound(3, 7, 5, 11);
+  const RoundLayout l = LayoutRound(k::Shape{}, 3, 7, 5, 11);
   for (int64_t off : {l.q, l.indices, l.copies, l.slots, l.k_rows, l.v_rows}) {
     EXPECT_EQ(off % RoundLayout::kAlignment, 0);
   }
@@ -95,21 +95,37 @@ TEST(RoundLayoutTest, PartsAreAlignedAndDisjoint) {
   EXPECT_GE(l.plan, l.slots + 11 * 8);
   EXPECT_EQ(l.plan % RoundLayout::kAlignment, 0);
   EXPECT_EQ(l.bytes, l.plan);  // no plan tables asked for
-  const RoundLayout with_plan = LayoutRound(3, 7, 5, 11, 1000);
+  const RoundLayout with_plan = LayoutRound(k::Shape{}, 3, 7, 5, 11, 1000);
   EXPECT_EQ(with_plan.plan, l.plan);
   EXPECT_EQ(with_plan.bytes, l.plan + 1000);
 }
 
 TEST(RoundLayoutTest, EmptyPartsTakeNoSpace) {
-  const RoundLayout l = LayoutRound(2, 0, 0, 0);
+  const RoundLayout l = LayoutRound(k::Shape{}, 2, 0, 0, 0);
   EXPECT_EQ(l.bytes, 2 * k::kQueryElems * 2);
-  EXPECT_EQ(LayoutRound(0, 0, 0, 0).bytes, 0);
+  EXPECT_EQ(LayoutRound(k::Shape{}, 0, 0, 0, 0).bytes, 0);
 }
 
 TEST(OutputLayoutTest, LseFollowsTheOutputRows) {
-  EXPECT_EQ(LseOffset(3), 3 * 24 * 128 * 2);
-  EXPECT_EQ(OutputBytes(3), 3 * 24 * 128 * 2 + 3 * 24 * 4);
-  EXPECT_EQ(LseOffset(5) % 16, 0);
+  EXPECT_EQ(LseOffset(k::Shape{}, 3), 3 * 24 * 128 * 2);
+  EXPECT_EQ(OutputBytes(k::Shape{}, 3), 3 * 24 * 128 * 2 + 3 * 24 * 4);
+  EXPECT_EQ(LseOffset(k::Shape{}, 5) % 16, 0);
+}
+
+// Another model's shape sizes every part: Llama 3.1 8B in fp16 with fp8 pages (q 32 x 128 x 2
+// bytes, rows 8 x 128 x 2 as callers send them, lse 32 x 4).
+TEST(RoundLayoutTest, PartsFollowTheModelShape) {
+  const k::Shape m{32, 8, 128, 16, k::DType::kFp16, k::DType::kFp8E4m3};
+  const RoundLayout l = LayoutRound(m, 3, 7, 0, 5);
+  EXPECT_EQ(l.k_rows - l.q, 3 * 8192);
+  EXPECT_EQ(l.v_rows - l.k_rows, 5 * 2048);
+  EXPECT_EQ(l.indices - l.v_rows, 5 * 2048);
+  EXPECT_EQ(LseOffset(m, 3), 3 * 8192);
+  EXPECT_EQ(OutputBytes(m, 3), 3 * 8192 + 3 * 128);
+  const StagingCapacity c = StagingCapacity::For(
+      {.num_layers = 2, .num_pages = 100, .max_batch_size = 4, .model = m}, 16);
+  EXPECT_EQ(c.OutputBytes(), OutputBytes(m, 4));
+  EXPECT_EQ(c.ArenaBytes(), LayoutRound(m, 4, 200, 4, 16).bytes);
 }
 
 TEST(SplitRoundsTest, EmptyBatchHasNoRounds) {
@@ -213,7 +229,7 @@ TEST(PackTokensTest, PacksWritesInOrderAcrossRounds) {
     std::vector<int64_t> s(chunk);
     std::vector<uint16_t> kr(chunk * k::kTokenElems), vr(chunk * k::kTokenElems);
     CopyList copies;
-    PackTokens(batch, chunk, &cursor, s.data(), kr.data(), vr.data(), &copies);
+    PackTokens(k::Shape{}, batch, chunk, &cursor, s.data(), kr.data(), vr.data(), &copies);
     copies.Run(nullptr);
     slots.insert(slots.end(), s.begin(), s.end());
     kk.insert(kk.end(), kr.begin(), kr.end());
@@ -236,7 +252,7 @@ TEST(PackTokensTest, WithoutRowBuffersPacksOnlyTheSlots) {
   TokenCursor cursor;
   std::vector<int64_t> s(3);
   CopyList copies;
-  PackTokens(batch, 3, &cursor, s.data(), nullptr, nullptr, &copies);
+  PackTokens(k::Shape{}, batch, 3, &cursor, s.data(), nullptr, nullptr, &copies);
   EXPECT_EQ(copies.bytes(), 3 * sizeof(int64_t));
   copies.Run(nullptr);
   EXPECT_EQ(s, batch.write_slots);
@@ -273,7 +289,7 @@ TEST(KernelAppendRowsTest, EachStepsTokenIsItsSequencesLastRow) {
   const BackendBatch batch =
       Steps({{5, 9}, {7}, {30, 31, 32}, {}, {40}}, {17, 3, 64, 0, 1}, {0, 2, 4});
   std::vector<int32_t> rows;
-  ASSERT_TRUE(KernelAppendRows(batch, WholeBatch(batch), &rows));
+  ASSERT_TRUE(KernelAppendRows(k::Shape{}, batch, WholeBatch(batch), &rows));
   EXPECT_EQ(rows, (std::vector<int32_t>{0, -1, 1, -1, 2}));
   // A round of sequences 2..4 and tokens 1..2: round-local rows.
   Round r;
@@ -281,8 +297,25 @@ TEST(KernelAppendRowsTest, EachStepsTokenIsItsSequencesLastRow) {
   r.token_end = 3;
   r.seq_begin = 2;
   r.seq_end = 5;
-  ASSERT_TRUE(KernelAppendRows(batch, r, &rows));
+  ASSERT_TRUE(KernelAppendRows(k::Shape{}, batch, r, &rows));
   EXPECT_EQ(rows, (std::vector<int32_t>{0, -1, 1}));
+}
+
+// A sequence's last slot is its last page * page_size + last_len - 1 in the model's pages.
+TEST(KernelAppendRowsTest, LastSlotsFollowThePageSize) {
+  const k::Shape m{32, 8, 128, 16, k::DType::kBf16, k::DType::kFp8E4m3};
+  BackendBatch batch;
+  batch.plan.kv_indices = {5, 9, 7};
+  batch.plan.kv_indptr = {0, 2, 3};
+  batch.plan.kv_last_page_len = {11, 16};
+  batch.write_slots = {9 * 16 + 10, 7 * 16 + 15};
+  batch.writes = {{nullptr, nullptr, 1, 0}, {nullptr, nullptr, 1, 1}};
+  batch.sequences_distinct = true;
+  std::vector<int32_t> rows;
+  ASSERT_TRUE(KernelAppendRows(m, batch, WholeBatch(batch), &rows));
+  EXPECT_EQ(rows, (std::vector<int32_t>{0, 1}));
+  // The same slots read in pages of 64 are no sequence's last.
+  EXPECT_FALSE(KernelAppendRows(k::Shape{}, batch, WholeBatch(batch), &rows));
 }
 
 TEST(KernelAppendRowsTest, OtherWritesNeedTheScatter) {
@@ -290,25 +323,25 @@ TEST(KernelAppendRowsTest, OtherWritesNeedTheScatter) {
   // Not distinct (the engine's word).
   BackendBatch batch = Steps({{5, 9}, {7}}, {17, 3}, {0, 1});
   batch.sequences_distinct = false;
-  EXPECT_FALSE(KernelAppendRows(batch, WholeBatch(batch), &rows));
+  EXPECT_FALSE(KernelAppendRows(k::Shape{}, batch, WholeBatch(batch), &rows));
   // A token that is no sequence's last (an append's), before and after the steps.
   batch = Steps({{5, 9}, {7}}, {17, 3}, {0, 1});
   batch.write_slots.push_back(int64_t{9} * 64 + 20);
   batch.writes.push_back({nullptr, nullptr, 1, 2});
-  EXPECT_FALSE(KernelAppendRows(batch, WholeBatch(batch), &rows));
+  EXPECT_FALSE(KernelAppendRows(k::Shape{}, batch, WholeBatch(batch), &rows));
   batch = Steps({{5, 9}, {7}}, {17, 3}, {0, 1});
   batch.write_slots.insert(batch.write_slots.begin(), int64_t{9} * 64 + 15);
-  EXPECT_FALSE(KernelAppendRows(batch, WholeBatch(batch), &rows));
+  EXPECT_FALSE(KernelAppendRows(k::Shape{}, batch, WholeBatch(batch), &rows));
   // Tokens in another order than their sequences.
   batch = Steps({{5, 9}, {7}}, {17, 3}, {1, 0});
-  EXPECT_FALSE(KernelAppendRows(batch, WholeBatch(batch), &rows));
+  EXPECT_FALSE(KernelAppendRows(k::Shape{}, batch, WholeBatch(batch), &rows));
   // The slot before the last token.
   batch = Steps({{5, 9}}, {17}, {0});
   batch.write_slots[0] -= 1;
-  EXPECT_FALSE(KernelAppendRows(batch, WholeBatch(batch), &rows));
+  EXPECT_FALSE(KernelAppendRows(k::Shape{}, batch, WholeBatch(batch), &rows));
   // No tokens at all: nothing to append.
   batch = Steps({{5, 9}}, {17}, {});
-  EXPECT_FALSE(KernelAppendRows(batch, WholeBatch(batch), &rows));
+  EXPECT_FALSE(KernelAppendRows(k::Shape{}, batch, WholeBatch(batch), &rows));
 }
 
 TEST(PackTokensTest, WithNoBuffersOnlyMovesTheCursor) {
@@ -319,7 +352,7 @@ TEST(PackTokensTest, WithNoBuffersOnlyMovesTheCursor) {
   batch.writes.push_back({k1.data(), v1.data(), 1, 2});
   TokenCursor cursor;
   CopyList copies;
-  PackTokens(batch, 3, &cursor, nullptr, nullptr, nullptr, &copies);
+  PackTokens(k::Shape{}, batch, 3, &cursor, nullptr, nullptr, nullptr, &copies);
   EXPECT_EQ(copies.bytes(), 0u);
   EXPECT_EQ(cursor.write, 2u);
   EXPECT_EQ(cursor.offset, 0);
@@ -366,18 +399,18 @@ TEST(DeviceRunsTest, ABatchOfOneRequestBlockIsOneRowRunAndOneOutputRun) {
   }
   batch.plan.kv_indptr.push_back(b);
   ASSERT_EQ(batch.plan.batch_size(), b);
-  const RoundLayout l = LayoutRound(b, b, 0, b);
+  const RoundLayout l = LayoutRound(k::Shape{}, b, b, 0, b);
   std::vector<DeviceRun> runs;
-  RowRuns(batch, 0, b, b, TokenCursor{}, l, &runs);
+  RowRuns(k::Shape{}, batch, 0, b, b, TokenCursor{}, l, &runs);
   ASSERT_EQ(runs.size(), 1u);
   EXPECT_EQ(runs[0].host, q);
   EXPECT_EQ(runs[0].offset, 0);
   EXPECT_EQ(runs[0].bytes, l.indices);
-  OutputRuns(batch, &runs);
+  OutputRuns(k::Shape{}, batch, &runs);
   ASSERT_EQ(runs.size(), 1u);
   EXPECT_EQ(runs[0].host, out);
   EXPECT_EQ(runs[0].offset, 0);
-  EXPECT_EQ(runs[0].bytes, OutputBytes(b));
+  EXPECT_EQ(runs[0].bytes, OutputBytes(k::Shape{}, b));
 }
 
 TEST(DeviceRunsTest, RowsOfSeveralSourcesAreOneRunPerSourcePiece) {
@@ -388,9 +421,9 @@ TEST(DeviceRunsTest, RowsOfSeveralSourcesAreOneRunPerSourcePiece) {
   batch.q = {q1.data(), q1.data() + k::kQueryElems, q2.data()};
   batch.writes.push_back({k1.data(), v1.data(), 2, 0});
   batch.writes.push_back({k2.data(), v2.data(), 1, 2});
-  const RoundLayout l = LayoutRound(3, 0, 0, 3);
+  const RoundLayout l = LayoutRound(k::Shape{}, 3, 0, 0, 3);
   std::vector<DeviceRun> runs;
-  RowRuns(batch, 0, 3, 3, TokenCursor{}, l, &runs);
+  RowRuns(k::Shape{}, batch, 0, 3, 3, TokenCursor{}, l, &runs);
   // q: 2 runs; K: 2; V: 2.
   ASSERT_EQ(runs.size(), 6u);
   EXPECT_EQ(runs[0].bytes, 2 * k::kQueryElems * 2);
@@ -403,8 +436,8 @@ TEST(DeviceRunsTest, RowsOfSeveralSourcesAreOneRunPerSourcePiece) {
   for (const DeviceRun& r : runs) bytes += r.bytes;
   EXPECT_EQ(bytes, l.indices);
   // From a cursor inside the first write: one token of it, then the second write.
-  const RoundLayout l2 = LayoutRound(0, 0, 0, 2);
-  RowRuns(batch, 3, 0, 2, TokenCursor{.write = 0, .offset = 1}, l2, &runs);
+  const RoundLayout l2 = LayoutRound(k::Shape{}, 0, 0, 0, 2);
+  RowRuns(k::Shape{}, batch, 3, 0, 2, TokenCursor{.write = 0, .offset = 1}, l2, &runs);
   ASSERT_EQ(runs.size(), 4u);
   EXPECT_EQ(runs[0].host, reinterpret_cast<const char*>(k1.data() + k::kTokenElems));
   EXPECT_EQ(runs[1].host, reinterpret_cast<const char*>(k2.data()));

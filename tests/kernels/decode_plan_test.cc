@@ -55,8 +55,11 @@ struct PlanOutput {
 };
 
 PlanOutput MakePlan(const Batch& b, int num_ctas, int max_batch = 4096, int parts_per_cta = 1,
-                    int min_part_units = 8, int item_cost_units = 0) {
+                    int min_part_units = 8, int item_cost_units = 0, int num_kv_heads = 4,
+                    int page_size = 64) {
   PlanOutput out;
+  out.cap.num_kv_heads = num_kv_heads;
+  out.cap.page_size = page_size;
   out.cap.num_ctas = num_ctas;
   out.cap.max_batch_size = max_batch;
   out.cap.parts_per_cta = parts_per_cta;
@@ -69,10 +72,11 @@ PlanOutput MakePlan(const Batch& b, int num_ctas, int max_batch = 4096, int part
   return out;
 }
 
-Batch RandomBatch(std::mt19937& rng, int size, int max_pages, double empty_fraction) {
+Batch RandomBatch(std::mt19937& rng, int size, int max_pages, double empty_fraction,
+                  int page_size = kPageSize) {
   Batch b;
   std::uniform_int_distribution<int> pages(1, max_pages);
-  std::uniform_int_distribution<int> last(1, kPageSize);
+  std::uniform_int_distribution<int> last(1, page_size);
   std::bernoulli_distribution empty(empty_fraction);
   for (int i = 0; i < size; ++i) b.Add(empty(rng) ? 0 : pages(rng), last(rng));
   return b;
@@ -87,11 +91,12 @@ void CheckPlan(const Batch& b, const PlanOutput& plan, std::vector<int64_t>* uni
   EXPECT_GE(num_parts, plan.cap.num_ctas);
   EXPECT_LE(num_parts, plan.cap.MaxParts());
   EXPECT_EQ(num_parts % plan.cap.num_ctas, 0);
-  // covered[(seq*4 + head)] -> count per page position
-  std::vector<std::vector<int>> covered(b.size() * kNumKvHeads);
-  std::vector<int> empty_written(b.size() * kNumKvHeads, 0);
-  for (int s = 0; s < b.size() * kNumKvHeads; ++s) {
-    covered[s].assign(b.indptr[s / 4 + 1] - b.indptr[s / 4], 0);
+  const int heads = plan.cap.num_kv_heads;
+  // covered[(seq * heads + head)] -> count per page position
+  std::vector<std::vector<int>> covered(b.size() * heads);
+  std::vector<int> empty_written(b.size() * heads, 0);
+  for (int s = 0; s < b.size() * heads; ++s) {
+    covered[s].assign(b.indptr[s / heads + 1] - b.indptr[s / heads], 0);
   }
   std::vector<int64_t> units(num_parts, 0);
   std::vector<int> slot_seen(plan.summary.num_slots, 0);
@@ -102,7 +107,7 @@ void CheckPlan(const Batch& b, const PlanOutput& plan, std::vector<int64_t>* uni
     for (const WorkItem& it : plan.PartItems(c)) {
       ++items;
       EXPECT_GE(it.seq_head, 0);
-      const int seq = it.seq_head / kNumKvHeads;
+      const int seq = it.seq_head / heads;
       const int32_t seq_pages = b.indptr[seq + 1] - b.indptr[seq];
       if (it.num_pages == 0) {
         EXPECT_EQ(seq_pages, 0);
@@ -118,7 +123,7 @@ void CheckPlan(const Batch& b, const PlanOutput& plan, std::vector<int64_t>* uni
       const bool ends_sequence = first + it.num_pages == seq_pages;
       // The item that ends the sequence carries its append row + 1 above the valid tokens.
       EXPECT_EQ(it.last_len, ends_sequence ? b.last[seq] | (b.AppendRow(seq) + 1) << kLastLenBits
-                                           : kPageSize);
+                                           : plan.cap.page_size);
       const bool whole = it.num_pages == seq_pages;
       if (whole) {
         EXPECT_EQ(it.slot, -1);
@@ -139,9 +144,9 @@ void CheckPlan(const Batch& b, const PlanOutput& plan, std::vector<int64_t>* uni
     }
   }
   EXPECT_EQ(items, plan.summary.num_items);
-  for (int s = 0; s < b.size() * kNumKvHeads; ++s) {
+  for (int s = 0; s < b.size() * heads; ++s) {
     for (int c : covered[s]) EXPECT_EQ(c, 1) << "(seq, head) " << s;
-    const bool empty = b.indptr[s / 4 + 1] == b.indptr[s / 4];
+    const bool empty = b.indptr[s / heads + 1] == b.indptr[s / heads];
     EXPECT_EQ(empty_written[s], empty ? 1 : 0) << "(seq, head) " << s;
   }
   for (int v : slot_seen) EXPECT_EQ(v, 1);
@@ -176,6 +181,37 @@ TEST(DecodePlanTest, CoversEveryPageOfEveryHeadExactlyOnce) {
       }
     }
   }
+}
+
+// Other shapes: any number of KV heads, pages of 16 and 32 tokens (last_len up to the page
+// size, and a piece that ends before its sequence's end has last_len page_size).
+TEST(DecodePlanTest, CoversEveryPageOfOtherShapesExactlyOnce) {
+  std::mt19937 rng(11);
+  for (int heads : {1, 2, 7, 8}) {
+    for (int page_size : {16, 32}) {
+      for (int parts : {1, 4}) {
+        SCOPED_TRACE("heads " + std::to_string(heads) + ", pages of " +
+                     std::to_string(page_size) + ", parts per CTA " + std::to_string(parts));
+        const Batch b = RandomBatch(rng, 40, 300, 0.1, page_size);
+        const PlanOutput plan = MakePlan(b, 132, 4096, parts, 8, 0, heads, page_size);
+        CheckPlan(b, plan);
+        EXPECT_EQ(plan.summary.num_segments, heads * (b.size() - [&] {
+          int empty = 0;
+          for (int i = 0; i < b.size(); ++i) empty += b.indptr[i + 1] == b.indptr[i];
+          return empty;
+        }()));
+      }
+    }
+  }
+}
+
+TEST(DecodePlanTest, RejectsALastPageLongerThanThePageSize) {
+  Batch b;
+  b.Add(3, 17);
+  EXPECT_EQ(MakePlan(b, 8, 16, 1, 8, 0, 4, 16).status.code, KernelCode::kInvalidArgument);
+  EXPECT_TRUE(MakePlan(b, 8, 16, 1, 8, 0, 4, 32).status.ok());
+  EXPECT_EQ(MakePlan(b, 8, 16, 1, 8, 0, 0, 32).status.code, KernelCode::kInvalidArgument);
+  EXPECT_EQ(MakePlan(b, 8, 16, 1, 8, 0, 4, 0).status.code, KernelCode::kInvalidArgument);
 }
 
 TEST(DecodePlanTest, WithAnItemCostCoversEveryPageExactlyOnce) {

@@ -353,5 +353,40 @@ TEST(CpuDecode, EverySupportedShapeMatchesTheFloat64Reference) {
               worst_fp8_vs_unquantized);
 }
 
+// Per-layer scales (DecodeArgs::layer_k_scales): each sequence reads its pages with its first
+// page's layer's scales, here with one "layer" per page id; k_scale / v_scale are then ignored.
+TEST(CpuDecode, LayerScalesFollowEachSequencesFirstPage) {
+  const Shape shape{32, 8, 128, 16, DType::kBf16, DType::kFp8E4m3};
+  ShapeBatch batch(shape, {40, 17, 1, 64}, 5);
+  DecodeArgs a = batch.Args();
+  DecodeCpuItems(a, 0, DecodeCpuNumItems(a));
+  const std::vector<uint16_t> want = batch.out();
+  const std::vector<float> want_lse = batch.lse();
+  std::vector<float> k_scales(a.num_pages, ShapeBatch::kKScale);
+  std::vector<float> v_scales(a.num_pages, ShapeBatch::kVScale);
+  a.layer_k_scales = k_scales.data();
+  a.layer_v_scales = v_scales.data();
+  a.layer_pages = 1;
+  a.k_scale = a.v_scale = 7.0f;  // ignored
+  DecodeCpuItems(a, 0, DecodeCpuNumItems(a));
+  EXPECT_EQ(batch.out(), want);
+  EXPECT_EQ(batch.lse(), want_lse);
+  // Sequence 2's first page gets other scales: its output alone changes, as the reference's.
+  const int32_t page = a.kv_indices[a.kv_indptr[2]];
+  k_scales[page] = 2 * ShapeBatch::kKScale;
+  v_scales[page] = 3 * ShapeBatch::kVScale;
+  DecodeCpuItems(a, 0, DecodeCpuNumItems(a));
+  std::vector<double> ref(batch.out().size()), ref_lse(batch.lse().size());
+  DecodeReferenceF64(a, ref.data(), ref_lse.data());
+  const int64_t q = shape.query_elems();
+  for (int32_t b = 0; b < 4; ++b) {
+    const bool changed = !std::equal(batch.out().begin() + b * q, batch.out().begin() + (b + 1) * q,
+                                     want.begin() + b * q);
+    EXPECT_EQ(changed, b == 2) << "sequence " << b;
+  }
+  EXPECT_LT(RelativeL2(shape.dtype, batch.out(), ref), 1e-2);
+  EXPECT_NEAR(batch.lse()[2 * shape.num_qo_heads], ref_lse[2 * shape.num_qo_heads], 1e-3);
+}
+
 }  // namespace
 }  // namespace pagedattn::kernels

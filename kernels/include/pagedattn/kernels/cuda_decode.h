@@ -90,6 +90,10 @@ struct CudaDecoderTuning {
 };
 
 struct CudaDecoderOptions {
+  // The shape of every batch (DecodeArgs::shape must equal it): any supported shape
+  // (ValidateShape). The default shape runs a build with every size a constant; the others run
+  // a build per (head dim, page type) and need the TMA load path.
+  Shape shape;
   int32_t max_batch_size = 4096;  // the largest batch Plan() accepts
   int32_t device = -1;            // -1: the current device
   int32_t num_ctas = 0;           // thread blocks per launch; 0: one per SM (at most 256)
@@ -108,12 +112,13 @@ int32_t CudaDecodeDeviceCount();
 inline bool CudaDecodeDeviceAvailable() { return CudaDecodeDeviceCount() > 0; }
 
 // The newest tokens that a decode writes into their pages itself (CudaDecoder::Run with a plan
-// made with append_rows): device memory, 16-byte aligned.
+// made with append_rows): device memory, 16-byte aligned. fp8 pages get each value divided by
+// its layer's scale (DecodeArgs::k_scale, v_scale) and rounded as StoreKvValues does.
 struct NewTokenRows {
-  const uint16_t* k = nullptr;  // [rows, 4, 128] bf16
-  const uint16_t* v = nullptr;  // [rows, 4, 128] bf16
-  uint16_t* k_cache = nullptr;  // DecodeArgs::k_cache, writable
-  uint16_t* v_cache = nullptr;  // DecodeArgs::v_cache, writable
+  const uint16_t* k = nullptr;  // [rows, num_kv_heads, head_dim] in shape.dtype
+  const uint16_t* v = nullptr;  // [rows, num_kv_heads, head_dim] in shape.dtype
+  void* k_cache = nullptr;      // DecodeArgs::k_cache, writable
+  void* v_cache = nullptr;      // DecodeArgs::v_cache, writable
 };
 
 class CudaDecoder {
@@ -121,7 +126,8 @@ class CudaDecoder {
   using Options = CudaDecoderOptions;
 
   // Allocates the pinned buffer and the workspace for `options`. InvalidArgument for bad
-  // options; Unavailable without a usable device (or when built without CUDA);
+  // options or an unsupported shape; FailedPrecondition for a shape other than the default
+  // where the TMA path is unavailable; Unavailable without a usable device (or when built without CUDA);
   // FailedPrecondition on a GPU other than compute capability 9.0; ResourceExhausted when an
   // allocation fails; Internal for another CUDA error.
   static KernelStatus Create(const Options& options, std::unique_ptr<CudaDecoder>* decoder);
@@ -151,7 +157,8 @@ class CudaDecoder {
 
   // Launches the decode of the planned batch on `stream`: no allocation, no synchronisation.
   // FailedPrecondition before a successful Plan; InvalidArgument when args do not match the
-  // plan or the requirements above; Internal when the launch fails.
+  // plan, the decoder's shape or the requirements above (fp8 pages: finite k_scale and v_scale
+  // > 0); Internal when the launch fails.
   KernelStatus Run(const DecodeArgs& args, CudaStream stream);
 
   // As Run, for a plan made with append_rows: sequence b with append_rows[b] = r >= 0 has its

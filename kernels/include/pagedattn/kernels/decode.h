@@ -48,7 +48,22 @@ struct DecodeArgs {
   // 1 for bf16 and fp16 pages.
   float k_scale = 1.0f;
   float v_scale = 1.0f;
+  // fp8 pages of several layers in one cache (page p of layer l at l * layer_pages + p): when
+  // layer_k_scales is set, a sequence's pages (all of one layer) read back with its layer's
+  // layer_k_scales[page / layer_pages] and layer_v_scales[...] instead of k_scale and v_scale.
+  // Host arrays for the CPU functions, device arrays for the CUDA decoder.
+  const float* layer_k_scales = nullptr;
+  const float* layer_v_scales = nullptr;
+  int64_t layer_pages = 0;
 };
+
+// The K and V scales of sequence b's pages (k_scale and v_scale, or its layer's; 1 and 1 for a
+// sequence without pages).
+struct KvScales {
+  float k = 1.0f;
+  float v = 1.0f;
+};
+KvScales SequenceScales(const DecodeArgs& args, int32_t b);
 
 // Tokens of sequence b: page_size per page but the last, kv_last_page_len[b] in the last; 0 if
 // no pages.

@@ -35,8 +35,8 @@ namespace pagedattn::kernels {
 struct WorkItem {
   int32_t page_begin = 0;  // first position of the item's pages in kv_indices
   int32_t num_pages = 0;   // 0: an empty sequence's (seq, head), or nothing at all (seq_head < 0)
-  int32_t seq_head = -1;   // sequence * kNumKvHeads + kv_head; -1: a CTA with no work
-  int32_t last_len = 0;    // valid tokens in the item's last page, 1..64 (bits 0-7; see below)
+  int32_t seq_head = -1;   // sequence * num_kv_heads + kv_head; -1: a CTA with no work
+  int32_t last_len = 0;    // valid tokens in the item's last page, 1..page_size (bits 0-7; see below)
   int32_t slot = -1;       // -1: the item is the whole (seq, head); else its partial-result slot
   int32_t group = -1;      // the merge group of the item's (seq, head) when slot >= 0
   int32_t rest_begin = 0;  // first items only: index of the CTA's further items
@@ -58,7 +58,7 @@ inline constexpr int32_t kMaxAppendRows = 1 << 22;
 struct MergeGroup {
   int32_t slot_begin = 0;
   int32_t num_pieces = 0;
-  int32_t seq_head = -1;  // sequence * kNumKvHeads + kv_head
+  int32_t seq_head = -1;  // sequence * num_kv_heads + kv_head
   int32_t reserved = 0;
 };
 static_assert(sizeof(MergeGroup) == 16);
@@ -71,6 +71,11 @@ struct PlanHeader {
   int32_t reserved[6] = {};
 };
 static_assert(sizeof(PlanHeader) == 32);
+
+// The default shape's KV heads and page size (decode.h; repeated here so that this header
+// stands alone).
+inline constexpr int32_t kNumKvHeadsDefault = 4;
+inline constexpr int32_t kPageSizeDefault = 64;
 
 // The most CTAs a launch may have, and the most parts per CTA.
 inline constexpr int32_t kMaxPlanCtas = 256;
@@ -86,6 +91,11 @@ struct PlanCapacity {
   // parts gives each non-empty (seq, head) this many units before its pages, so a part that
   // starts many of them gets fewer pages. 0: parts of equal pages. > 0 needs parts_per_cta 1.
   int32_t item_cost_units = 0;
+  // The shape's KV heads (a (seq, head) is sequence * num_kv_heads + kv_head) and page size
+  // (kv_last_page_len in 1..page_size; a piece that ends before its sequence's last page has
+  // last_len page_size).
+  int32_t num_kv_heads = kNumKvHeadsDefault;
+  int32_t page_size = kPageSizeDefault;
 
   int64_t MaxParts() const { return int64_t{num_ctas} * parts_per_cta; }
   // Upper bounds: a merge group per split (seq, head), at most MaxParts() - 1 of them; at most
@@ -101,7 +111,7 @@ struct PlanCapacity {
 struct PlanSummary {
   int32_t batch_size = 0;
   int64_t total_pages = 0;   // kv_indptr[batch_size]
-  int32_t num_segments = 0;  // (seq, head)s with pages: 4 x the non-empty sequences
+  int32_t num_segments = 0;  // (seq, head)s with pages: num_kv_heads x the non-empty sequences
   int32_t num_parts = 0;     // num_ctas x (1..parts_per_cta), as written in the header
   int32_t num_items = 0;     // all items, first items of parts with no work excluded
   int32_t num_groups = 0;
@@ -112,7 +122,7 @@ struct PlanSummary {
 };
 
 // Validates the batch (kv_indptr[0] == 0, non-decreasing, fitting int32; kv_last_page_len in
-// 1..64 for every non-empty sequence; batch_size in 0..max_batch_size) and writes its plan into
+// 1..capacity.page_size for every non-empty sequence; batch_size in 0..max_batch_size) and writes its plan into
 // `table` (at least capacity.TableBytes() bytes, 8-byte aligned). append_rows (null: none):
 // [batch_size], -1, or the row (0..kMaxAppendRows-1) of the new K and V rows that the kernel
 // writes as sequence b's last token (only for a non-empty sequence). InvalidArgument on a bad
