@@ -44,6 +44,17 @@ class RegisteredPlanTest : public ::testing::Test {
     options_.ring_bytes = static_cast<int64_t>(ring_.size());
     options_.ranges = &ranges_;
   }
+  // An AppendKV of `tokens` tokens whose K rows start the device buffer and whose V rows follow
+  // them, into slots 64..
+  BackendBatch DeviceAppend(int32_t tokens) {
+    const char* kk = device_.data();
+    const char* vv = kk + tokens * k::kTokenBytes;
+    BackendBatch batch;
+    batch.writes.push_back({reinterpret_cast<const uint16_t*>(kk),
+                            reinterpret_cast<const uint16_t*>(vv), tokens, 0});
+    for (int32_t t = 0; t < tokens; ++t) batch.write_slots.push_back(64 + t);
+    return batch;
+  }
   LaunchPlan Plan(const BackendBatch& batch, const StagingCapacity& cap = Capacity()) {
     LaunchPlan plan;
     const absl::Status s = PlanLaunch(batch, cap, options_, &plan);
@@ -218,13 +229,10 @@ TEST_F(RegisteredPlanTest, ABatchOutsideRegisteredMemoryIsPlannedAsWithoutAny) {
 
 TEST_F(RegisteredPlanTest, AnAppendFromDeviceMemoryIsCopiedOnTheDeviceInEveryRound) {
   // An AppendKV of 40 tokens from device memory, staged 16 tokens a round.
-  BackendBatch batch;
   constexpr int32_t kTokens = 40;
+  const BackendBatch batch = DeviceAppend(kTokens);
   char* const kk = device_.data();
   char* const vv = kk + kTokens * k::kTokenBytes;
-  batch.writes.push_back({reinterpret_cast<const uint16_t*>(kk),
-                          reinterpret_cast<const uint16_t*>(vv), kTokens, 0});
-  for (int32_t t = 0; t < kTokens; ++t) batch.write_slots.push_back(64 + t);
   const LaunchPlan plan = Plan(batch, Capacity(/*staged_tokens=*/16));
   ASSERT_EQ(plan.rounds.size(), 3u);
   int64_t token = 0;
@@ -336,13 +344,10 @@ TEST_F(RegisteredPlanTest, OnlyTheInPlaceRowsOfAMixedRoundLeaveTheCopies) {
 
 TEST_F(RegisteredPlanTest, AnAppendFromTheOwnDeviceIsReadInPlaceInEveryRound) {
   MakeDeviceOwn();
-  BackendBatch batch;
   constexpr int32_t kTokens = 40;
+  const BackendBatch batch = DeviceAppend(kTokens);
   char* const kk = device_.data();
   char* const vv = kk + kTokens * k::kTokenBytes;
-  batch.writes.push_back({reinterpret_cast<const uint16_t*>(kk),
-                          reinterpret_cast<const uint16_t*>(vv), kTokens, 0});
-  for (int32_t t = 0; t < kTokens; ++t) batch.write_slots.push_back(64 + t);
   const LaunchPlan plan = Plan(batch, Capacity(/*staged_tokens=*/16));
   ASSERT_EQ(plan.rounds.size(), 3u);
   int64_t token = 0;

@@ -78,6 +78,20 @@ void Check(const absl::StatusOr<T>& s, const char* what) {
     }                                                                                 \
   } while (0)
 
+// Sequence 1 with `tokens` random tokens on every layer of `e`.
+void FillSequence(Engine& e, int32_t layers, int64_t tokens, std::mt19937_64& rng) {
+  CHECK_OK(e.CreateSequence(1));
+  for (int32_t layer = 0; layer < layers; ++layer) {
+    AppendWork w;
+    w.sequence_id = 1;
+    w.layer = layer;
+    w.num_tokens = static_cast<int32_t>(tokens);
+    w.k = testing::ToBytes(testing::RandomBf16(tokens * k::kTokenElems, rng));
+    w.v = testing::ToBytes(testing::RandomBf16(tokens * k::kTokenElems, rng));
+    CHECK_OK(testing::AppendSync(e, std::move(w)));
+  }
+}
+
 int Main(int argc, char** argv) {
   const int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 32768;
   const int32_t layers = argc > 2 ? std::atoi(argv[2]) : 1;
@@ -141,16 +155,7 @@ int Main(int argc, char** argv) {
     CHECK_OK(engine);
     Engine& e = **engine;
     std::mt19937_64 rng(1);
-    CHECK_OK(e.CreateSequence(1));
-    for (int32_t layer = 0; layer < layers; ++layer) {
-      AppendWork w;
-      w.sequence_id = 1;
-      w.layer = layer;
-      w.num_tokens = static_cast<int32_t>(tokens);
-      w.k = testing::ToBytes(testing::RandomBf16(tokens * k::kTokenElems, rng));
-      w.v = testing::ToBytes(testing::RandomBf16(tokens * k::kTokenElems, rng));
-      CHECK_OK(testing::AppendSync(e, std::move(w)));
-    }
+    FillSequence(e, layers, tokens, rng);
     DecodeWork attend;
     attend.layer = 0;
     attend.sequence_ids = {1};
@@ -212,16 +217,7 @@ int Main(int argc, char** argv) {
     CHECK_OK(from);
     CHECK_OK(to);
     std::mt19937_64 rng(2);
-    CHECK_OK((*from)->CreateSequence(1));
-    for (int32_t layer = 0; layer < layers; ++layer) {
-      AppendWork w;
-      w.sequence_id = 1;
-      w.layer = layer;
-      w.num_tokens = static_cast<int32_t>(tokens);
-      w.k = testing::ToBytes(testing::RandomBf16(tokens * k::kTokenElems, rng));
-      w.v = testing::ToBytes(testing::RandomBf16(tokens * k::kTokenElems, rng));
-      CHECK_OK(testing::AppendSync(**from, std::move(w)));
-    }
+    FillSequence(**from, layers, tokens, rng);
     const int64_t moved = 2 * int64_t{layers} * tokens * k::kTokenBytes;  // the rows, no padding
     const double one_way = d2h_seconds * moved / bytes;
     const double round_trip = (d2h_seconds + h2d_seconds) * moved / bytes;

@@ -85,6 +85,28 @@ inline std::string AttendBytes(Engine& e, const std::vector<uint64_t>& ids, int3
   return r.ok() ? r->output + r->lse : std::string("error");
 }
 
+// Decode steps (a new token each, then attention) of sequences 1-3 on every layer, `steps`
+// times, on both engines: output and lse bitwise equal.
+inline void ExpectSameDecodes(Engine& from, Engine& to, int32_t num_layers, int steps,
+                              std::mt19937_64& rng) {
+  for (int step = 0; step < steps; ++step) {
+    for (int32_t layer = 0; layer < num_layers; ++layer) {
+      DecodeWork w;
+      w.layer = layer;
+      w.sequence_ids = {1, 2, 3};
+      w.sm_scale = kDefaultScale;
+      w.q = ToBytes(RandomBf16(3 * kernels::kQueryElems, rng));
+      w.k = ToBytes(RandomBf16(3 * kernels::kTokenElems, rng));
+      w.v = ToBytes(RandomBf16(3 * kernels::kTokenElems, rng));
+      auto a = DecodeSync(from, w);
+      auto b = DecodeSync(to, w);
+      ASSERT_TRUE(a.ok() && b.ok());
+      EXPECT_EQ(a->output, b->output) << "step " << step << " layer " << layer;
+      EXPECT_EQ(a->lse, b->lse);
+    }
+  }
+}
+
 // Sequences 1 (300 tokens: four full pages and a partial one), 2 (a fork of 1 with a step of
 // its own), 3 (64 tokens), on `num_layers` layers; returns the k/v appended to 1, per layer.
 inline std::vector<std::pair<std::string, std::string>> FillTierCase(Engine& e, int32_t num_layers,
@@ -176,22 +198,7 @@ inline void CheckExportImportIsBitwise(const BackendFactory& make) {
   }
   EXPECT_TRUE(absl::IsAlreadyExists(ImportSync(**to, 1, *data).status()));
   // Later decodes, steps and attends, bitwise equal on both.
-  for (int step = 0; step < 2; ++step) {
-    for (int32_t layer = 0; layer < kLayers; ++layer) {
-      DecodeWork w;
-      w.layer = layer;
-      w.sequence_ids = {1, 2, 3};
-      w.sm_scale = kDefaultScale;
-      w.q = ToBytes(RandomBf16(3 * kernels::kQueryElems, rng));
-      w.k = ToBytes(RandomBf16(3 * kernels::kTokenElems, rng));
-      w.v = ToBytes(RandomBf16(3 * kernels::kTokenElems, rng));
-      auto a = DecodeSync(**from, w);
-      auto b = DecodeSync(**to, w);
-      ASSERT_TRUE(a.ok() && b.ok());
-      EXPECT_EQ(a->output, b->output) << "step " << step << " layer " << layer;
-      EXPECT_EQ(a->lse, b->lse);
-    }
-  }
+  ExpectSameDecodes(**from, **to, kLayers, 2, rng);
 }
 
 // Memory standing in for a client's registered region: host memory, or device memory of a
@@ -284,20 +291,7 @@ inline void CheckRegionExportImportIsBitwise(const BackendFactory& make, const R
   }
   EXPECT_TRUE(absl::IsNotFound(ExportToSync(**from, 99, RegionView(memory, 0, memory.bytes)).status()));
   // Later decodes, steps and attends, bitwise equal on both.
-  for (int32_t layer = 0; layer < kLayers; ++layer) {
-    DecodeWork w;
-    w.layer = layer;
-    w.sequence_ids = {1, 2, 3};
-    w.sm_scale = kDefaultScale;
-    w.q = ToBytes(RandomBf16(3 * kernels::kQueryElems, rng));
-    w.k = ToBytes(RandomBf16(3 * kernels::kTokenElems, rng));
-    w.v = ToBytes(RandomBf16(3 * kernels::kTokenElems, rng));
-    auto a = DecodeSync(**from, w);
-    auto b = DecodeSync(**to, w);
-    ASSERT_TRUE(a.ok() && b.ok());
-    EXPECT_EQ(a->output, b->output) << "layer " << layer;
-    EXPECT_EQ(a->lse, b->lse);
-  }
+  ExpectSameDecodes(**from, **to, kLayers, 1, rng);
 }
 
 }  // namespace pagedattn::testing

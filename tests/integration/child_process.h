@@ -15,6 +15,16 @@
 
 namespace pagedattn::testing {
 
+// A process started with its output on a pipe: its pid and the pipe's read end.
+struct SpawnedProcess {
+  pid_t pid = -1;
+  int output = -1;
+};
+// Runs argv[0] with `argv` and its stdout (and stderr, with_stderr) on a new pipe whose read end
+// the caller owns. INTERNAL when the pipe or fork fails; an exec that fails exits 127.
+absl::StatusOr<SpawnedProcess> SpawnWithOutputPipe(std::vector<std::string> argv,
+                                                   bool with_stderr);
+
 class ChildProcess {
  public:
   // Runs /proc/self/exe with `args` (argv[1..]) and its stdout on a pipe, and reads up to the

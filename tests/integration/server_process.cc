@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/health/health_probe.h"
+#include "tests/integration/child_process.h"
 
 namespace pagedattn::testing {
 
@@ -27,26 +28,11 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   std::vector<std::string> args = {binary, "--grpc_address=127.0.0.1:0",
                                    "--metrics_address=127.0.0.1:0"};
   args.insert(args.end(), flags.begin(), flags.end());
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-
-  int fds[2];
-  if (pipe2(fds, O_CLOEXEC) != 0) return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));
-  const pid_t pid = fork();
-  if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
-  if (pid == 0) {
-    dup2(fds[1], STDOUT_FILENO);
-    dup2(fds[1], STDERR_FILENO);
-    close(fds[0]);
-    close(fds[1]);
-    execv(argv[0], argv.data());
-    _exit(127);
-  }
-  close(fds[1]);
+  absl::StatusOr<SpawnedProcess> spawned = SpawnWithOutputPipe(std::move(args), /*with_stderr=*/true);
+  if (!spawned.ok()) return spawned.status();
   std::unique_ptr<ServerProcess> server(new ServerProcess());
-  server->pid_ = pid;
-  server->reader_ = std::thread([s = server.get(), fd = fds[0]] { s->ReadOutput(fd); });
+  server->pid_ = spawned->pid;
+  server->reader_ = std::thread([s = server.get(), fd = spawned->output] { s->ReadOutput(fd); });
 
   // The "serving" line names the gRPC address (host:port, or unix:/path) and the metrics port.
   const std::regex serving(R"(serving grpc=(\S+) metrics=(?:[^:\s]+:(\d+)|off))");
