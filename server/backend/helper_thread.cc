@@ -59,6 +59,7 @@ void HelperThread::Main() {
       sleeping_.store(false);
     }
     if (stop_.load()) return;
+    if (options_.before_take) options_.before_take();
     int expected = kPosted;
     if (state_.compare_exchange_strong(expected, kRunning, std::memory_order_acquire)) {
       (*task_)();

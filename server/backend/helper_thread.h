@@ -17,6 +17,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -32,6 +33,9 @@ class HelperThread {
  public:
   struct Options {
     absl::Duration spin = absl::ZeroDuration();  // see above; >= 0
+    // For tests: runs on the helper each time it sees a posted task, before it tries to take
+    // it, so a test can hold the helper back and make the owner's Join take the task.
+    std::function<void()> before_take;
   };
 
   // INVALID_ARGUMENT for a negative spin.

@@ -1,5 +1,6 @@
 #include "server/backend/helper_thread.h"
 
+#include <atomic>
 #include <chrono>
 #include <thread>
 #include <vector>
@@ -48,22 +49,31 @@ TEST(HelperThreadTest, RunsTheTaskBesideTheOwner) {
   EXPECT_NE(ran_on, owner);
 }
 
-// A helper that never spins is asleep when the task is posted; Join does not wait for it to
-// wake up when it has not started yet: the owner runs the task itself.
+// Join does not wait for a helper that has not taken the task yet: the owner runs it itself.
+// The helper is held back at the point where it would take the task, so every task falls to
+// the owner; once let go, the helper finds nothing left to run.
 TEST(HelperThreadTest, JoinRunsATaskNotYetPickedUp) {
-  auto helper = *HelperThread::Create({});
-  std::this_thread::sleep_for(std::chrono::milliseconds(5));  // the helper is asleep
-  int64_t on_owner = 0;
+  std::atomic<bool> hold{true};
+  std::atomic<int> held{0};
+  auto helper = *HelperThread::Create({.before_take = [&] {
+    held.fetch_add(1);
+    while (hold.load()) std::this_thread::yield();
+  }});
   const std::thread::id owner = std::this_thread::get_id();
+  int64_t on_owner = 0;
   for (int i = 0; i < 200; ++i) {
     std::thread::id ran_on;
     const auto task = [&] { ran_on = std::this_thread::get_id(); };
     helper->Post(task);
+    if (i == 0) {
+      while (held.load() == 0) std::this_thread::yield();  // the helper saw the task
+    }
     helper->Join();
     if (ran_on == owner) ++on_owner;
   }
-  EXPECT_EQ(on_owner + helper->ran_on_helper(), 200);
-  EXPECT_GT(on_owner, 0);
+  hold.store(false);
+  EXPECT_EQ(on_owner, 200);
+  EXPECT_EQ(helper->ran_on_helper(), 0);
 }
 
 TEST(HelperThreadTest, StopsWhileSpinningAndWhileAsleep) {
