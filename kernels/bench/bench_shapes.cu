@@ -103,6 +103,7 @@ int RunShapes(int argc, char** argv) {
   int page_size = 0;
   Shape shape;
   bool fp8 = false;
+  pk::CudaDecoderTuning tuning;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--shape" && i + 1 < argc) shape_name = argv[++i];
@@ -112,11 +113,15 @@ int RunShapes(int argc, char** argv) {
     else if (a == "--page-size" && i + 1 < argc) page_size = std::atoi(argv[++i]);
     else if (a == "--kv-dtype" && i + 1 < argc) fp8 = std::string(argv[++i]) == "fp8_e4m3";
     else if (a == "--dtype" && i + 1 < argc) shape.dtype = std::string(argv[++i]) == "fp16" ? DType::kFp16 : DType::kBf16;
+    else if (a == "--skip-attention") tuning.skip_attention = true;
+    else if (a == "--tma-promo" && i + 1 < argc) tuning.tma_l2_promotion_bytes = std::atoi(argv[++i]);
     else {
       std::fprintf(stderr,
                    "usage: %s --shape mixtral_tp2|llama8b|llama70b_tp8|qwen7b|gemma9b "
                    "[--page-size N] [--dtype bf16|fp16] [--kv-dtype auto|fp8_e4m3] "
-                   "[--workloads FILE (pages of 64)] [--out FILE] [--iters N]\n",
+                   "[--workloads FILE (pages of 64)] [--out FILE] [--iters N]\n"
+                   "  [--skip-attention] (loads only: the outputs are garbage) "
+                   "[--tma-promo 0|64|128|256] (the copies' L2 fetch granule)\n",
                    argv[0]);
       return 2;
     }
@@ -164,6 +169,7 @@ int RunShapes(int argc, char** argv) {
   const double stream_gbps = StreamReadGBps(stream, prop.multiProcessorCount);
   pk::CudaDecoderOptions options;
   options.shape = shape;
+  options.tuning = tuning;
   std::unique_ptr<pk::CudaDecoder> decoder;
   CheckStatus(pk::CudaDecoder::Create(options, &decoder), "Create");
   std::printf("device: %s, %d SMs; shape %s; streaming read %.0f GB/s; %d CTAs, %zu B shared\n",

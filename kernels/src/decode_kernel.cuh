@@ -17,7 +17,8 @@
 // bf16), built with every size a constant. Other shapes are built per head dim and page type:
 // a stage still holds 64 tokens of one KV head (64 / page_size pages, one TMA box per page and
 // 128 bytes of dims), the item's query heads (1..8) fill rows 0..group-1 of A, and head counts
-// and page size come from the launch parameters. fp8 pages are multiplied in fp16 (every e4m3
+// and page size come from the launch parameters; at head dims 64 and 128 the consumers take an
+// item's stages two at a time (32 tokens per warp per softmax update). fp8 pages are multiplied in fp16 (every e4m3
 // value is an fp16 value): K rows feed the MMA with their dims permuted within each 16 (the
 // query's fragments follow the same permutation), V's transposed fragments split into even and
 // odd dims (the output's order is restored when it is written). k_scale is folded into the
@@ -79,6 +80,9 @@ struct Config {
   // Pieces per warp whose loads an in-kernel merge round keeps in flight: fewer where a piece
   // is larger (more query heads, more dims), so that the round's registers do not spill.
   static constexpr int kMergeRound = kFixed ? 3 : (kHeadDim >= 256 ? 1 : 2);
+  // The consumers take an item's stages two at a time where it has two left (ProcessTiles).
+  // Not at head dim 256, where the second stage's fragments spill (measured 1.4x slower).
+  static constexpr bool kPairs = !kFixed && kHeadDim <= 128;
   // Stages: 6 for the default shape; else as many as fit beside the rest (at most 8).
   static constexpr int kRestBytes = 4 * kConsumerWarps * kMaxGroup * (kHeadDim + 2) + 64 + 1024;
   static constexpr int kStages =
@@ -653,33 +657,40 @@ __device__ __forceinline__ void LoadQuery(const KernelParams& p, uint32_t q_stag
   }
 }
 
-// One warp's 16 tokens of one stage: scores, online softmax update, O += P V. Scores of tokens
-// at or past `valid` are masked to -inf; mask_v: their V fragments are zeroed too (the stage is
-// a last page whose valid tokens end inside this warp's 16, and its V rows were not zeroed in
-// shared memory). fp8 pages: o[2c] holds dims 16c + 2j and o[2c + 1] dims 16c + 2j + 1 (j the
-// n-tile column), see Finalize.
-template <class C>
-__device__ __forceinline__ void ProcessTile(uint32_t base, const uint32_t (&qa)[C::kKSteps][2],
-                                            int warp, int lane, int valid, bool mask_v,
-                                            float scale_log2, float (&o)[C::kNTiles][2],
-                                            float& m, float& l) {
+// One warp's 16 tokens of kTiles (1 or 2) consecutive stages of an item, in one online-softmax
+// update: scores, the new max, O rescaled once, O += P V. Two stages give the warp twice the
+// independent loads and MMAs to overlap and halve the per-token cost of the softmax update.
+// Every stage but the last is full; in the last, scores of tokens at or past `valid` are
+// masked to -inf, and with mask_v their V fragments are zeroed too (the stage is a last page
+// whose valid tokens end inside this warp's 16, and its V rows were not zeroed in shared
+// memory). fp8 pages: o[2c] holds dims 16c + 2j and o[2c + 1] dims 16c + 2j + 1 (j the n-tile
+// column), see Finalize.
+template <class C, int kTiles>
+__device__ __forceinline__ void ProcessTiles(const uint32_t (&base)[kTiles],
+                                             const uint32_t (&qa)[C::kKSteps][2], int warp,
+                                             int lane, int valid, bool mask_v, float scale_log2,
+                                             float (&o)[C::kNTiles][2], float& m, float& l) {
   const int r = lane & 7;
   const int mi = lane >> 3;
   const int quad = lane & 3;
   const int t0 = warp * kTokensPerWarp;
 
-  // S[group heads, 16 tokens]: two n-tiles of 8 tokens, even and odd k-steps accumulated apart.
-  float acc[4][2] = {};
+  // S[group heads, 16 tokens] per stage: two n-tiles of 8 tokens, even and odd k-steps
+  // accumulated apart.
+  float acc[kTiles][4][2] = {};
   if constexpr (!C::kFp8) {
 #pragma unroll
     for (int ks = 0; ks < C::kKSteps; ++ks) {
       const int token = t0 + ((mi >> 1) << 3) + r;
       const int chunk = 2 * ks + (mi & 1);
-      uint32_t b[4];
-      ptx::Ldsm4(base + SwizzledOffset<C>(token, chunk), b);
       const int c = (ks & 1) * 2;
-      Mma<C>(acc[c][0], acc[c][1], qa[ks][0], qa[ks][1], b[0], b[1]);
-      Mma<C>(acc[c + 1][0], acc[c + 1][1], qa[ks][0], qa[ks][1], b[2], b[3]);
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t) {
+        uint32_t b[4];
+        ptx::Ldsm4(base[t] + SwizzledOffset<C>(token, chunk), b);
+        Mma<C>(acc[t][c][0], acc[t][c][1], qa[ks][0], qa[ks][1], b[0], b[1]);
+        Mma<C>(acc[t][c + 1][0], acc[t][c + 1][1], qa[ks][0], qa[ks][1], b[2], b[3]);
+      }
     }
   } else {
     // A 16-byte chunk of an fp8 row is one k-step: lane (g, quad) gets dims 4 quad..4 quad + 3
@@ -688,63 +699,84 @@ __device__ __forceinline__ void ProcessTile(uint32_t base, const uint32_t (&qa)[
     for (int kp = 0; kp < C::kKSteps / 2; ++kp) {
       const int token = t0 + ((mi >> 1) << 3) + r;
       const int chunk = 2 * kp + (mi & 1);
-      uint32_t b[4];
-      ptx::Ldsm4(base + SwizzledOffset<C>(token, chunk), b);
-      // b[0]: tokens 0-7, k-step 2 kp; b[1]: tokens 0-7, 2 kp + 1; b[2], b[3]: tokens 8-15.
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int ks = 2 * kp + (i & 1);
-        const int c = (i & 1) * 2 + (i >> 1);
-        Mma<C>(acc[c][0], acc[c][1], qa[ks][0], qa[ks][1], ptx::E4m3x2ToF16x2(b[i]),
-               ptx::E4m3x2ToF16x2(b[i] >> 16));
+      for (int t = 0; t < kTiles; ++t) {
+        uint32_t b[4];
+        ptx::Ldsm4(base[t] + SwizzledOffset<C>(token, chunk), b);
+        // b[0]: tokens 0-7, k-step 2 kp; b[1]: tokens 0-7, 2 kp + 1; b[2], b[3]: tokens 8-15.
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int ks = 2 * kp + (i & 1);
+          const int c = (i & 1) * 2 + (i >> 1);
+          Mma<C>(acc[t][c][0], acc[t][c][1], qa[ks][0], qa[ks][1], ptx::E4m3x2ToF16x2(b[i]),
+                 ptx::E4m3x2ToF16x2(b[i] >> 16));
+        }
       }
     }
   }
-  float x[2][2];
+  float x[kTiles][2][2];
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
+  for (int t = 0; t < kTiles; ++t) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int token = t0 + 8 * j + 2 * quad + e;
-      const float v = (acc[j][e] + acc[2 + j][e]) * scale_log2;
-      x[j][e] = token < valid ? v : -INFINITY;
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int token = t0 + 8 * j + 2 * quad + e;
+        const float v = (acc[t][j][e] + acc[t][2 + j][e]) * scale_log2;
+        x[t][j][e] = t + 1 < kTiles || token < valid ? v : -INFINITY;
+      }
     }
   }
-  float mx = fmaxf(fmaxf(x[0][0], x[0][1]), fmaxf(x[1][0], x[1][1]));
+  float mx = -INFINITY;
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+    mx = fmaxf(mx, fmaxf(fmaxf(x[t][0][0], x[t][0][1]), fmaxf(x[t][1][0], x[t][1][1])));
+  }
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
   const float m_new = fmaxf(m, mx);  // finite: token t0 is valid and in every quad
   const float alpha = ptx::Exp2(m - m_new);
-  float pr[2][2];
+  float pr[kTiles][2][2];
+  float sum = 0.0f;
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
+  for (int t = 0; t < kTiles; ++t) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) pr[j][e] = ptx::Exp2(x[j][e] - m_new);
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) pr[t][j][e] = ptx::Exp2(x[t][j][e] - m_new);
+    }
+    sum += (pr[t][0][0] + pr[t][0][1]) + (pr[t][1][0] + pr[t][1][1]);
   }
-  l = l * alpha + ((pr[0][0] + pr[0][1]) + (pr[1][0] + pr[1][1]));
+  l = l * alpha + sum;
   m = m_new;
 #pragma unroll
   for (int n = 0; n < C::kNTiles; ++n) {
     o[n][0] *= alpha;
     o[n][1] *= alpha;
   }
-  const uint32_t pa0 = C::kF16Math ? ptx::PackF16(pr[0][0], pr[0][1]) : ptx::PackBf16(pr[0][0], pr[0][1]);
-  const uint32_t pa2 = C::kF16Math ? ptx::PackF16(pr[1][0], pr[1][1]) : ptx::PackBf16(pr[1][0], pr[1][1]);
-  const uint32_t vbase = base + C::kHalfBytes;
+  uint32_t pa0[kTiles], pa2[kTiles];
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+    pa0[t] = C::kF16Math ? ptx::PackF16(pr[t][0][0], pr[t][0][1]) : ptx::PackBf16(pr[t][0][0], pr[t][0][1]);
+    pa2[t] = C::kF16Math ? ptx::PackF16(pr[t][1][0], pr[t][1][1]) : ptx::PackBf16(pr[t][1][0], pr[t][1][1]);
+  }
   if constexpr (!C::kFp8) {
 #pragma unroll
     for (int np = 0; np < C::kNTiles / 2; ++np) {
       const int token = t0 + ((mi & 1) << 3) + r;
       const int chunk = 2 * np + (mi >> 1);
-      uint32_t b[4];
-      ptx::Ldsm4Trans(vbase + SwizzledOffset<C>(token, chunk), b);
-      if (mask_v) {
-        // Fragment k holds tokens t0 + 8 * (k & 1) + 2 * quad and the next one.
 #pragma unroll
-        for (int k = 0; k < 4; ++k) b[k] = MaskTokens(b[k], t0 + ((k & 1) << 3) + 2 * quad, valid);
+      for (int t = 0; t < kTiles; ++t) {
+        uint32_t b[4];
+        ptx::Ldsm4Trans(base[t] + C::kHalfBytes + SwizzledOffset<C>(token, chunk), b);
+        if (t + 1 == kTiles && mask_v) {
+          // Fragment k holds tokens t0 + 8 * (k & 1) + 2 * quad and the next one.
+#pragma unroll
+          for (int k = 0; k < 4; ++k) b[k] = MaskTokens(b[k], t0 + ((k & 1) << 3) + 2 * quad, valid);
+        }
+        Mma<C>(o[2 * np][0], o[2 * np][1], pa0[t], pa2[t], b[0], b[1]);
+        Mma<C>(o[2 * np + 1][0], o[2 * np + 1][1], pa0[t], pa2[t], b[2], b[3]);
       }
-      Mma<C>(o[2 * np][0], o[2 * np][1], pa0, pa2, b[0], b[1]);
-      Mma<C>(o[2 * np + 1][0], o[2 * np + 1][1], pa0, pa2, b[2], b[3]);
     }
   } else {
     // Transposed 8x8 matrices of 16-bit pairs: lane (g, quad) gets V[2 quad][2g, 2g + 1] in
@@ -754,24 +786,27 @@ __device__ __forceinline__ void ProcessTile(uint32_t base, const uint32_t (&qa)[
     for (int cp = 0; cp < C::kKSteps / 2; ++cp) {
       const int token = t0 + ((mi & 1) << 3) + r;
       const int chunk = 2 * cp + (mi >> 1);
-      uint32_t b[4];
-      ptx::Ldsm4Trans(vbase + SwizzledOffset<C>(token, chunk), b);
-      // b[0]: tokens 0-7 and b[1]: tokens 8-15 of chunk 2 cp; b[2], b[3]: of chunk 2 cp + 1.
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t lo = ptx::Prmt(b[2 * h], 0u, 0x3120u);
-        const uint32_t hi = ptx::Prmt(b[2 * h + 1], 0u, 0x3120u);
-        uint32_t even0 = ptx::E4m3x2ToF16x2(lo), even1 = ptx::E4m3x2ToF16x2(hi);
-        uint32_t odd0 = ptx::E4m3x2ToF16x2(lo >> 16), odd1 = ptx::E4m3x2ToF16x2(hi >> 16);
-        if (mask_v) {
-          even0 = MaskTokens(even0, t0 + 2 * quad, valid);
-          odd0 = MaskTokens(odd0, t0 + 2 * quad, valid);
-          even1 = MaskTokens(even1, t0 + 8 + 2 * quad, valid);
-          odd1 = MaskTokens(odd1, t0 + 8 + 2 * quad, valid);
+      for (int t = 0; t < kTiles; ++t) {
+        uint32_t b[4];
+        ptx::Ldsm4Trans(base[t] + C::kHalfBytes + SwizzledOffset<C>(token, chunk), b);
+        // b[0]: tokens 0-7 and b[1]: tokens 8-15 of chunk 2 cp; b[2], b[3]: of chunk 2 cp + 1.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t lo = ptx::Prmt(b[2 * h], 0u, 0x3120u);
+          const uint32_t hi = ptx::Prmt(b[2 * h + 1], 0u, 0x3120u);
+          uint32_t even0 = ptx::E4m3x2ToF16x2(lo), even1 = ptx::E4m3x2ToF16x2(hi);
+          uint32_t odd0 = ptx::E4m3x2ToF16x2(lo >> 16), odd1 = ptx::E4m3x2ToF16x2(hi >> 16);
+          if (t + 1 == kTiles && mask_v) {
+            even0 = MaskTokens(even0, t0 + 2 * quad, valid);
+            odd0 = MaskTokens(odd0, t0 + 2 * quad, valid);
+            even1 = MaskTokens(even1, t0 + 8 + 2 * quad, valid);
+            odd1 = MaskTokens(odd1, t0 + 8 + 2 * quad, valid);
+          }
+          const int c = 2 * cp + h;  // the 16-dim chunk
+          Mma<C>(o[2 * c][0], o[2 * c][1], pa0[t], pa2[t], even0, even1);
+          Mma<C>(o[2 * c + 1][0], o[2 * c + 1][1], pa0[t], pa2[t], odd0, odd1);
         }
-        const int c = 2 * cp + h;  // the 16-dim chunk
-        Mma<C>(o[2 * c][0], o[2 * c][1], pa0, pa2, even0, even1);
-        Mma<C>(o[2 * c + 1][0], o[2 * c + 1][1], pa0, pa2, odd0, odd1);
       }
     }
   }
@@ -1150,6 +1185,8 @@ __device__ void Consume(const KernelParams& p, SharedStorage<C>& s, int warp, in
     if (timed) wait_ns += GlobalTimer() - wait_from;
     const StageTag it = s.tag[stage];
     if (it.page == kTagEnd) break;
+    bool pair = false;         // this round takes the item's next stage too
+    int last_index = it.page;  // the item's last stage this round takes
     const int64_t row0 = QueryRow<C>(p, it.seq_head);
     if (it.page == kTagEmpty) {
       WriteEmpty<C>(p, row0, tid);
@@ -1158,7 +1195,6 @@ __device__ void Consume(const KernelParams& p, SharedStorage<C>& s, int warp, in
         Stamp(p, tid, 1, StampTime(p));
         first_page = false;
       }
-      ++pages;
       if (it.page == 0) {
 #pragma unroll
         for (int n = 0; n < C::kNTiles; ++n) o[n][0] = o[n][1] = 0.0f;
@@ -1170,27 +1206,43 @@ __device__ void Consume(const KernelParams& p, SharedStorage<C>& s, int warp, in
           v_scale = it.v_scale;
         }
       }
+      // With pairs, the item's next stage is the ring's next one whenever the item has one.
+      pair = C::kPairs && it.page + 1 < it.num_pages;
+      const int next = stage + 1 == C::kStages ? 0 : stage + 1;
+      if (pair) ptx::MbarWait(ptx::SmemAddr(&s.full[next]), next == 0 ? phase ^ 1 : phase);
+      last_index = pair ? it.page + 1 : it.page;
+      pages += pair ? 2 : 1;
       const int last = kAppends ? it.last_len & kLastLenMask : it.last_len;
-      const int valid = it.page == it.num_pages - 1 ? last : kStageTokens;
-      if (t0 < valid && !p.skip_attention) {
+      const int valid = last_index == it.num_pages - 1 ? last : kStageTokens;
+      if (!p.skip_attention) {
+        const uint32_t base = ptx::SmemAddr(s.stage[stage]);
         const bool tail = valid < t0 + kTokensPerWarp;
         const bool in_shared = tail && p.zero_tail_in_shared;
-        if (in_shared) {
-          ZeroVRows<C>(s.stage[stage], valid, t0 + kTokensPerWarp, lane);
+        if (in_shared && t0 < valid) {
+          ZeroVRows<C>(s.stage[pair ? next : stage], valid, t0 + kTokensPerWarp, lane);
           __syncwarp();
         }
-        ProcessTile<C>(ptx::SmemAddr(s.stage[stage]), qa, warp, lane, valid, tail && !in_shared,
-                       scale_log2, o, m, l);
-        if (in_shared) ptx::FenceProxyAsync();
+        if (pair && t0 < valid) {
+          const uint32_t bases[2] = {base, ptx::SmemAddr(s.stage[next])};
+          ProcessTiles<C, 2>(bases, qa, warp, lane, valid, tail && !in_shared, scale_log2, o, m, l);
+        } else if (pair || t0 < valid) {
+          // A pair whose second stage has no valid token of this warp's 16: the first alone.
+          const uint32_t bases[1] = {base};
+          ProcessTiles<C, 1>(bases, qa, warp, lane, pair ? kStageTokens : valid,
+                             !pair && tail && !in_shared, scale_log2, o, m, l);
+        }
+        if (in_shared && t0 < valid) ptx::FenceProxyAsync();
       }
     }
     __syncwarp();
-    if (lane == 0) ptx::MbarArrive(ptx::SmemAddr(&s.empty[stage]));
-    if (++stage == C::kStages) {
-      stage = 0;
-      phase ^= 1;
+    for (int k = 0; k < (pair ? 2 : 1); ++k) {
+      if (lane == 0) ptx::MbarArrive(ptx::SmemAddr(&s.empty[stage]));
+      if (++stage == C::kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
     }
-    if (it.page >= 0 && it.page == it.num_pages - 1) {
+    if (it.page >= 0 && last_index == it.num_pages - 1) {
       last_page_time = StampTime(p);
       Finalize<C>(p, s, it, row0, warp, lane, o, m, l, v_scale);
       if (timed) {
