@@ -184,8 +184,10 @@ inline void CheckWholeSequenceMovesInOneRunPerLayer(const BackendFactory& make) 
   constexpr int64_t kTokens = 1900;  // 29 full pages and a partial one
   constexpr int64_t kRow = kernels::kTokenBytes;
   constexpr int64_t kCopies = 2 * kLayers;
-  auto from_owned = std::make_unique<CountingBackend>(make());
-  auto to_owned = std::make_unique<CountingBackend>(make());
+  std::unique_ptr<Backend> from_backend = make(), to_backend = make();
+  ASSERT_TRUE(from_backend != nullptr && to_backend != nullptr);
+  auto from_owned = std::make_unique<CountingBackend>(std::move(from_backend));
+  auto to_owned = std::make_unique<CountingBackend>(std::move(to_backend));
   CountingBackend* from_counts = from_owned.get();
   CountingBackend* to_counts = to_owned.get();
   // Room for another sequence's pages before and after, so the freed ones are not the only ones.
