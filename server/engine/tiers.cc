@@ -16,18 +16,26 @@ namespace k = kernels;
 
 namespace {
 
+// Calls f(i, j) for every longest stretch [i, j) of `pages` whose ids are consecutive.
+template <typename F>
+void ForEachStretch(absl::Span<const int32_t> pages, F&& f) {
+  for (size_t i = 0; i < pages.size();) {
+    size_t j = i + 1;
+    while (j < pages.size() && pages[j] == pages[j - 1] + 1) ++j;
+    f(i, j);
+    i = j;
+  }
+}
+
 // Runs of consecutive pages of one layer of `pages` (token order), each pointing at the matching
 // bytes of k/v (page i of the list at k + i * page_bytes).
 void AppendRuns(int32_t layer, absl::Span<const int32_t> pages, char* k_base, char* v_base,
                 int64_t page_bytes, std::vector<PageRun>* runs) {
-  for (size_t i = 0; i < pages.size();) {
-    size_t j = i + 1;
-    while (j < pages.size() && pages[j] == pages[j - 1] + 1) ++j;
+  ForEachStretch(pages, [&](size_t i, size_t j) {
     runs->push_back(PageRun{layer, pages[i], static_cast<int32_t>(j - i),
                             k_base + static_cast<int64_t>(i) * page_bytes,
                             v_base + static_cast<int64_t>(i) * page_bytes});
-    i = j;
-  }
+  });
 }
 
 // Runs for tokens [first, first + count) of one layer of a sequence on `pages`, whose rows lie
@@ -271,12 +279,15 @@ absl::StatusOr<std::shared_ptr<const SequenceData>> Tiers::Export(SequenceTable&
   // Only the pages that hold committed tokens (a step's pages are never here: not mid-step).
   const auto pages = view->pages.subspan(0, data->num_pages);
   if (view->offloaded) {
+    // Consecutive host pages lie back to back in the host tier: one copy per stretch of them.
+    const int64_t page_bytes = options_.model.page_bytes();
     for (int32_t layer = 0; layer < options_.num_layers; ++layer) {
-      for (size_t i = 0; i < pages.size(); ++i) {
-        const int64_t page_bytes = options_.model.page_bytes();
-        std::memcpy(data->k(layer) + i * page_bytes, HostK(layer, pages[i]), page_bytes);
-        std::memcpy(data->v(layer) + i * page_bytes, HostV(layer, pages[i]), page_bytes);
-      }
+      ForEachStretch(pages, [&](size_t i, size_t j) {
+        const int64_t at = static_cast<int64_t>(i) * page_bytes;
+        const int64_t bytes = static_cast<int64_t>(j - i) * page_bytes;
+        std::memcpy(data->k(layer) + at, HostK(layer, pages[i]), bytes);
+        std::memcpy(data->v(layer) + at, HostV(layer, pages[i]), bytes);
+      });
     }
     return data;
   }
@@ -313,12 +324,13 @@ absl::StatusOr<int64_t> Tiers::ExportTo(SequenceTable& table, uint64_t id, Tenso
     for (int32_t layer = 0; layer < options_.num_layers; ++layer) {
       char* const k_rows = base + 2 * int64_t{layer} * layer_bytes;
       char* const v_rows = k_rows + layer_bytes;
-      for (size_t i = 0; i < pages.size(); ++i) {
+      // One copy per stretch of consecutive host pages; the last one stops at the last row.
+      ForEachStretch(pages, [&](size_t i, size_t j) {
         const int64_t at = static_cast<int64_t>(i) * page_bytes;
-        const int64_t bytes = std::min(page_bytes, layer_bytes - at);
+        const int64_t bytes = std::min(static_cast<int64_t>(j - i) * page_bytes, layer_bytes - at);
         copies.push_back({k_rows + at, HostK(layer, pages[i]), bytes, destination.on_device()});
         copies.push_back({v_rows + at, HostV(layer, pages[i]), bytes, destination.on_device()});
-      }
+      });
     }
     if (absl::Status s = Failed(backend_->CopyFromHost(copies)); !s.ok()) return s;
     return length;

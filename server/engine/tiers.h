@@ -2,7 +2,9 @@
 //
 // The host tier is Options::host_pages pages of host memory from the backend (pinned on CUDA),
 // laid out like the pool: K then V, each [num_layers][host_pages][64][4][128] bf16, so a run of
-// consecutive pool pages moved to consecutive host pages is one copy per layer and K/V. Its
+// consecutive pool pages moved to consecutive host pages is one copy per layer and K/V (both
+// allocators hand pages freed together back in ascending order, so a sequence offloaded then
+// restored, or released then imported again, keeps moving in such runs). Its
 // page ids and reference counts are a second BlockAllocator (host_allocator()), and the
 // SequenceTable says which sequences are offloaded and how shared pages are linked across the
 // tiers (see sequence_table.h: a page shared by forks has one host copy, counted by reference).

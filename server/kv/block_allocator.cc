@@ -1,5 +1,7 @@
 #include "server/kv/block_allocator.h"
 
+#include <algorithm>
+#include <cstddef>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -26,12 +28,15 @@ absl::Status BlockAllocator::Allocate(int64_t count, std::vector<int32_t>* pages
     return absl::ResourceExhaustedError(
         absl::StrCat("need ", count, " free KV pages, ", num_free(), " free of ", num_pages()));
   }
-  for (int64_t i = 0; i < count; ++i) {
-    const int32_t page = free_list_.back();
-    free_list_.pop_back();
-    ref_counts_[page] = 1;
-    pages->push_back(page);
-  }
+  // The top `count` ids of the stack, in ascending order: pages freed together (a sequence
+  // released or moved to the other tier) come back as the same consecutive ids, in the order a
+  // page transfer can move in one run, however the stack holds them.
+  const auto taken = free_list_.end() - count;
+  const size_t first = pages->size();
+  pages->insert(pages->end(), taken, free_list_.end());
+  free_list_.erase(taken, free_list_.end());
+  std::sort(pages->begin() + static_cast<std::ptrdiff_t>(first), pages->end());
+  for (size_t i = first; i < pages->size(); ++i) ref_counts_[(*pages)[i]] = 1;
   return absl::OkStatus();
 }
 

@@ -30,6 +30,9 @@ class BlockAllocator {
 
   // Appends `count` fresh pages (count 1 each) to *pages, all or nothing: RESOURCE_EXHAUSTED
   // (nothing taken) when fewer than `count` are free; INVALID_ARGUMENT for a negative count.
+  // The pages of one call are the most recently freed ones, appended in ascending order of id,
+  // so that pages freed together and taken again together stay consecutive (one copy per run
+  // of them in the tiers' page transfers).
   absl::Status Allocate(int64_t count, std::vector<int32_t>* pages);
 
   // One more holder of a held page (fork). INVALID_ARGUMENT out of range, FAILED_PRECONDITION

@@ -15,6 +15,9 @@
 //     then ImportSequence from the region, one span per layer. Each is printed as a multiple of
 //     the pinned copy time of its bytes one way (the D2H baseline) and of a round trip through
 //     pinned host memory (D2H + H2D), the least a migration through host memory moves.
+// The engines' backends are wrapped in CountingBackend: each engine line also shows the copies
+// (cudaMemcpyAsync calls) one transfer issued, the median over its rounds (a whole sequence:
+// one of K and one of V per layer each way).
 // usage: pagedattn_cuda_tier_bench [tokens=32768] [layers=1] [reps=20] [importer_device=0]
 #include <cuda_runtime.h>
 
@@ -32,12 +35,14 @@
 #include "pagedattn/kernels/decode.h"
 #include "server/backend/cuda_backend.h"
 #include "server/engine/engine.h"
+#include "tests/engine/counting_backend.h"
 #include "tests/engine/tier_checks.h"
 
 namespace pagedattn {
 namespace {
 
 namespace k = kernels;
+using testing::CountingBackend;
 
 double Seconds(const std::function<void()>& f, int reps) {
   f();  // warm up
@@ -51,10 +56,18 @@ double Seconds(const std::function<void()>& f, int reps) {
   return times[times.size() / 2];  // the median
 }
 
-void Print(const char* what, int64_t bytes, double seconds, double baseline_gbps) {
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// `copies` < 0: not counted.
+void Print(const char* what, int64_t bytes, double seconds, double baseline_gbps, double copies = -1) {
   const double gbps = bytes / seconds / 1e9;
   std::printf("%-28s %8.1f MiB %9.3f ms %7.2f GB/s", what, bytes / 1048576.0, seconds * 1e3, gbps);
   if (baseline_gbps > 0) std::printf("  (%5.1f%% of pinned cudaMemcpy)", 100.0 * gbps / baseline_gbps);
+  if (copies >= 0) std::printf("  %6.0f copies", copies);
   std::printf("\n");
 }
 
@@ -69,6 +82,14 @@ void Check(const absl::StatusOr<T>& s, const char* what) {
   Check(s.status(), what);
 }
 #define CHECK_OK(expr) Check((expr), #expr)
+
+// The CUDA backend on `device`, its transfers counted.
+std::unique_ptr<CountingBackend> CountedCuda(int32_t device) {
+  auto backend = CudaBackend::Create({.device = device});
+  Check(backend.status(), "CudaBackend::Create");
+  return std::make_unique<CountingBackend>(std::move(*backend));
+}
+
 #define CHECK_CUDA(expr)                                                              \
   do {                                                                                \
     cudaError_t e_ = (expr);                                                          \
@@ -148,10 +169,10 @@ int Main(int argc, char** argv) {
 
   // The engine: a sequence of `tokens` random tokens, offloaded and restored.
   {
-    auto backend = CudaBackend::Create({});
-    CHECK_OK(backend);
+    auto owned = CountedCuda(0);
+    CountingBackend* counting = owned.get();
     auto engine = Engine::Create({.num_layers = layers, .num_pages = pages + 8, .host_pages = pages},
-                                 std::move(*backend), nullptr);
+                                 std::move(owned), nullptr);
     CHECK_OK(engine);
     Engine& e = **engine;
     std::mt19937_64 rng(1);
@@ -163,32 +184,44 @@ int Main(int argc, char** argv) {
     attend.q = testing::ToBytes(testing::RandomBf16(k::kQueryElems, rng));
     const double resident = Seconds([&] { CHECK_OK(testing::DecodeSync(e, attend)); }, reps);
     double offload_total = 0, restore_total = 0;
+    std::vector<double> offload_copies, restore_copies;
     for (int i = 0; i < reps; ++i) {
+      counting->Reset();
       auto t0 = std::chrono::steady_clock::now();
       CHECK_OK(testing::OffloadSync(e, 1));
       auto t1 = std::chrono::steady_clock::now();
+      offload_copies.push_back(static_cast<double>(counting->counts().copies));
+      counting->Reset();
       CHECK_OK(testing::DecodeSync(e, attend));
       auto t2 = std::chrono::steady_clock::now();
+      restore_copies.push_back(static_cast<double>(counting->counts().copies));
       offload_total += std::chrono::duration<double>(t1 - t0).count();
       restore_total += std::chrono::duration<double>(t2 - t1).count() - resident;
     }
-    Print("engine OffloadSequence", bytes, offload_total / reps, d2h_gbps);
-    Print("engine restore (in a Decode)", bytes, restore_total / reps, h2d_gbps);
+    Print("engine OffloadSequence", bytes, offload_total / reps, d2h_gbps, Median(offload_copies));
+    Print("engine restore (in a Decode)", bytes, restore_total / reps, h2d_gbps, Median(restore_copies));
     std::shared_ptr<const SequenceData> data;
-    Print("engine ExportSequence", bytes, Seconds([&] {
-            auto d = testing::ExportSync(e, 1);
-            CHECK_OK(d);
-            data = *d;
-          }, reps), d2h_gbps);
-    auto to_backend = CudaBackend::Create({});
-    CHECK_OK(to_backend);
-    auto to = Engine::Create({.num_layers = layers, .num_pages = pages + 8}, std::move(*to_backend), nullptr);
+    std::vector<double> export_copies, import_copies;
+    const double export_seconds = Seconds([&] {
+      counting->Reset();
+      auto d = testing::ExportSync(e, 1);
+      CHECK_OK(d);
+      data = *d;
+      export_copies.push_back(static_cast<double>(counting->counts().copies));
+    }, reps);
+    Print("engine ExportSequence", bytes, export_seconds, d2h_gbps, Median(export_copies));
+    auto to_owned = CountedCuda(0);
+    CountingBackend* to_counting = to_owned.get();
+    auto to = Engine::Create({.num_layers = layers, .num_pages = pages + 8}, std::move(to_owned), nullptr);
     CHECK_OK(to);
     uint64_t next = 100;
-    Print("engine ImportSequence", bytes, Seconds([&] {
-            CHECK_OK(testing::ImportSync(**to, next, data));
-            CHECK_OK((*to)->ReleaseSequence(next++));
-          }, reps), h2d_gbps);
+    const double import_seconds = Seconds([&] {
+      to_counting->Reset();
+      CHECK_OK(testing::ImportSync(**to, next, data));
+      import_copies.push_back(static_cast<double>(to_counting->counts().copies));
+      CHECK_OK((*to)->ReleaseSequence(next++));
+    }, reps);
+    Print("engine ImportSequence", bytes, import_seconds, h2d_gbps, Median(import_copies));
   }
 
   // Migration of the sequence between two engines: by bytes, through a system region, through
@@ -208,12 +241,12 @@ int Main(int argc, char** argv) {
       cudaGetLastError();
       CHECK_CUDA(cudaSetDevice(0));
     }
-    auto from_backend = CudaBackend::Create({});
-    auto to_backend = CudaBackend::Create({.device = importer_device});
-    CHECK_OK(from_backend);
-    CHECK_OK(to_backend);
-    auto from = Engine::Create({.num_layers = layers, .num_pages = pages + 8}, std::move(*from_backend), nullptr);
-    auto to = Engine::Create({.num_layers = layers, .num_pages = pages + 8}, std::move(*to_backend), nullptr);
+    auto from_owned = CountedCuda(0);
+    auto to_owned = CountedCuda(importer_device);
+    CountingBackend* from_counting = from_owned.get();
+    CountingBackend* to_counting = to_owned.get();
+    auto from = Engine::Create({.num_layers = layers, .num_pages = pages + 8}, std::move(from_owned), nullptr);
+    auto to = Engine::Create({.num_layers = layers, .num_pages = pages + 8}, std::move(to_owned), nullptr);
     CHECK_OK(from);
     CHECK_OK(to);
     std::mt19937_64 rng(2);
@@ -225,15 +258,27 @@ int Main(int argc, char** argv) {
                 "one way, %.3f ms D2H + H2D\n",
                 moved / 1048576.0, importer_device, one_way * 1e3, round_trip * 1e3);
     uint64_t next = 1000;
+    // Copies of one migration (export and import), per round.
+    std::vector<double> copies;
+    const auto count_start = [&] {
+      from_counting->Reset();
+      to_counting->Reset();
+    };
+    const auto count_end = [&] {
+      copies.push_back(static_cast<double>(from_counting->counts().copies + to_counting->counts().copies));
+    };
     const auto report = [&](const char* what, double seconds) {
-      std::printf("%-28s %8.1f MiB %9.3f ms %7.2f GB/s  %5.2fx one way, %5.2fx D2H + H2D\n", what,
-                  moved / 1048576.0, seconds * 1e3, moved / seconds / 1e9, seconds / one_way,
-                  seconds / round_trip);
+      std::printf("%-28s %8.1f MiB %9.3f ms %7.2f GB/s  %5.2fx one way, %5.2fx D2H + H2D  %6.0f copies\n",
+                  what, moved / 1048576.0, seconds * 1e3, moved / seconds / 1e9, seconds / one_way,
+                  seconds / round_trip, Median(copies));
+      copies.clear();
     };
     report("migrate by bytes", Seconds([&] {
+             count_start();
              auto d = testing::ExportSync(**from, 1);
              CHECK_OK(d);
              CHECK_OK(testing::ImportSync(**to, next, *d));
+             count_end();
              CHECK_OK((*to)->ReleaseSequence(next++));
            }, reps));
     // One span per layer: K rows then V rows, as ExportSequenceTo lays them out.
@@ -246,8 +291,10 @@ int Main(int argc, char** argv) {
         source->spans.push_back({layer, 0, tokens, k_rows, k_rows + tokens * k::kTokenBytes, on_device});
       }
       return Seconds([&] {
+        count_start();
         CHECK_OK(testing::ExportToSync(**from, 1, Tensor::View(region, moved, on_device, RegionLease())));
         CHECK_OK(testing::ImportSync(**to, next, source));
+        count_end();
         CHECK_OK((*to)->ReleaseSequence(next++));
       }, reps);
     };

@@ -2,8 +2,9 @@
 // of random pages bitwise, in runs and single pages over several layers, and partial runs into
 // device memory; and the engine's offload -> restore, export -> import, and export into a
 // region -> import from it (device memory as a cuda region is, pinned host memory as a system
-// region is on this backend, and pageable host memory) on the CUDA backend, bitwise
-// (tier_checks.h, the checks the CPU backend passes in the unit suite). Needs a GPU of compute
+// region is on this backend, and pageable host memory) on the CUDA backend, bitwise, with a
+// whole sequence moved in one copy of K and one of V per layer (tier_checks.h, the checks the
+// CPU backend passes in the unit suite). Needs a GPU of compute
 // capability 9.0; skips without one.
 #include <cuda_runtime.h>
 
@@ -113,6 +114,11 @@ TEST(CudaTiersTest, OffloadThenRestoreGivesBitwiseEqualDecodes) {
 TEST(CudaTiersTest, ExportThenImportGivesBitwiseEqualDecodes) {
   SKIP_WITHOUT_DEVICE();
   testing::CheckExportImportIsBitwise(MakeCuda);
+}
+
+TEST(CudaTiersTest, WholeSequenceMovesInOneRunPerLayer) {
+  SKIP_WITHOUT_DEVICE();
+  testing::CheckWholeSequenceMovesInOneRunPerLayer(MakeCuda);
 }
 
 // Export into a region and import from it (tier_checks.h) with the region in device memory (a

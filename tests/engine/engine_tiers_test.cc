@@ -39,6 +39,10 @@ TEST(EngineTiersTest, ExportIntoRegionAndImportFromSpansAreBitwise) {
   testing::CheckRegionExportImportIsBitwise(MakeCpu, memory);
 }
 
+TEST(EngineTiersTest, WholeSequenceMovesInOneRunPerLayer) {
+  testing::CheckWholeSequenceMovesInOneRunPerLayer(MakeCpu);
+}
+
 TEST(EngineTiersTest, LruNeedsAHostTier) {
   auto e = Engine::Create({.num_pages = 8, .offload_lru = true}, MakeCpu(), nullptr);
   EXPECT_TRUE(absl::IsInvalidArgument(e.status())) << e.status();

@@ -1,7 +1,8 @@
 // Checks of the engine's page transfers on any backend (the CPU one in the unit suite, the CUDA
 // one in the GPU suite): offload -> restore and export -> import give later decodes bitwise
-// equal to the original's, an export returns the appended k/v bytes exactly, and a restore's
-// time shows in the restore stage. Random normal data, several layers, partial pages, a fork.
+// equal to the original's, an export returns the appended k/v bytes exactly, a restore's time
+// shows in the restore stage, and a whole sequence moves in one copy of K and one of V per
+// layer, round after round. Random normal data, several layers, partial pages, a fork.
 #pragma once
 
 #include <functional>
@@ -17,6 +18,7 @@
 #include "server/engine/engine.h"
 #include "server/metrics/metrics.h"
 #include "tests/backend/test_util.h"
+#include "tests/engine/counting_backend.h"
 #include "tests/engine/engine_test_util.h"
 
 namespace pagedattn::testing {
@@ -170,6 +172,105 @@ inline void CheckOffloadRestoreIsBitwise(const BackendFactory& make) {
   EXPECT_GE(FamilyValue(metrics, "pagedattn_kv_offloads_total"), 3);
   EXPECT_EQ(MetricValue(metrics, "pagedattn_kv_tier_bytes_total", "direction", "to_host"),
             7.0 * 2 * kLayers * kernels::kPageBytes);
+}
+
+// A sequence moved whole, round after round, is one copy of K and one of V per layer each time
+// (on a device each copy costs a few microseconds besides its bytes): offload, the restore
+// inside a Decode (on the pages the offload freed), an export from the host tier by bytes and
+// into a region, and an import into another engine from a region (on the pages the last import
+// freed). The bytes stay the appended ones exactly, and the Decodes bitwise equal.
+inline void CheckWholeSequenceMovesInOneRunPerLayer(const BackendFactory& make) {
+  constexpr int32_t kLayers = 3;
+  constexpr int64_t kTokens = 1900;  // 29 full pages and a partial one
+  constexpr int64_t kRow = kernels::kTokenBytes;
+  constexpr int64_t kCopies = 2 * kLayers;
+  std::unique_ptr<Backend> from_backend = make(), to_backend = make();
+  ASSERT_TRUE(from_backend != nullptr && to_backend != nullptr);
+  auto from_owned = std::make_unique<CountingBackend>(std::move(from_backend));
+  auto to_owned = std::make_unique<CountingBackend>(std::move(to_backend));
+  CountingBackend* from_counts = from_owned.get();
+  CountingBackend* to_counts = to_owned.get();
+  // Room for another sequence's pages before and after, so the freed ones are not the only ones.
+  auto from = Engine::Create({.num_layers = kLayers, .num_pages = 96, .host_pages = 40},
+                             std::move(from_owned), nullptr);
+  auto to = Engine::Create({.num_layers = kLayers, .num_pages = 96}, std::move(to_owned), nullptr);
+  ASSERT_TRUE(from.ok() && to.ok());
+  Engine& e = **from;
+  std::mt19937_64 rng(47);
+  std::string rows;  // the region layout: every layer's K rows, then its V rows
+  for (uint64_t id : {5, 1, 6}) {
+    ASSERT_TRUE(e.CreateSequence(id).ok());
+    const int64_t tokens = id == 1 ? kTokens : 100;
+    for (int32_t layer = 0; layer < kLayers; ++layer) {
+      AppendWork w;
+      w.sequence_id = id;
+      w.layer = layer;
+      w.num_tokens = static_cast<int32_t>(tokens);
+      w.k = ToBytes(RandomBf16(tokens * kernels::kTokenElems, rng));
+      w.v = ToBytes(RandomBf16(tokens * kernels::kTokenElems, rng));
+      if (id == 1) rows += std::string(w.k.data(), w.k.size()) + std::string(w.v.data(), w.v.size());
+      ASSERT_TRUE(AppendSync(e, std::move(w)).ok());
+    }
+  }
+  ASSERT_EQ(static_cast<int64_t>(rows.size()), 2 * kLayers * kTokens * kRow);
+  std::vector<std::string> before;
+  for (int32_t layer = 0; layer < kLayers; ++layer) before.push_back(AttendBytes(e, {1}, layer, 3 + layer));
+  ASSERT_TRUE(e.ReleaseSequence(5).ok());  // a hole below sequence 1's pages
+
+  const auto expect_one_run = [&](CountingBackend* b, const std::string& what) {
+    const CountingBackend::Counts c = b->counts();
+    EXPECT_EQ(c.calls, 1) << what;
+    EXPECT_EQ(c.copies, kCopies) << what;
+    b->Reset();
+  };
+  for (int round = 0; round < 3; ++round) {
+    const std::string r = " (round " + std::to_string(round) + ")";
+    from_counts->Reset();
+    ASSERT_TRUE(OffloadSync(e, 1).ok());
+    expect_one_run(from_counts, "offload" + r);
+
+    auto data = ExportSync(e, 1);  // from the host tier: no backend copy
+    ASSERT_TRUE(data.ok()) << data.status();
+    EXPECT_EQ(from_counts->counts().calls, 0);
+    for (int32_t layer = 0; layer < kLayers; ++layer) {
+      const int64_t at = 2 * layer * kTokens * kRow;
+      EXPECT_TRUE(std::string((*data)->k(layer), kTokens * kRow) == rows.substr(at, kTokens * kRow));
+      EXPECT_TRUE(std::string((*data)->v(layer), kTokens * kRow) == rows.substr(at + kTokens * kRow, kTokens * kRow));
+    }
+    std::string region(rows.size() + kRow, '\0');
+    ASSERT_TRUE(ExportToSync(e, 1, Tensor::View(region.data(), static_cast<int64_t>(region.size()),
+                                                false, RegionLease()))
+                    .ok());
+    expect_one_run(from_counts, "export from the host tier into a region" + r);
+    EXPECT_TRUE(region.substr(0, rows.size()) == rows) << r;
+
+    for (int32_t layer = 0; layer < kLayers; ++layer) {
+      EXPECT_EQ(AttendBytes(e, {1}, layer, 3 + layer), before[layer]) << "layer " << layer << r;
+      if (layer == 0) expect_one_run(from_counts, "restore in a Decode" + r);
+    }
+    ASSERT_TRUE(ExportToSync(e, 1, Tensor::View(region.data(), static_cast<int64_t>(region.size()),
+                                                false, RegionLease()))
+                    .ok());
+    expect_one_run(from_counts, "export from the pool into a region" + r);
+    EXPECT_TRUE(region.substr(0, rows.size()) == rows) << r;
+
+    auto source = std::make_shared<SequenceSource>();
+    source->length = kTokens;
+    source->num_layers = kLayers;
+    auto held = std::make_shared<std::string>(std::move(region));
+    source->holders.push_back(held);
+    for (int32_t layer = 0; layer < kLayers; ++layer) {
+      const char* k_rows = held->data() + 2 * layer * kTokens * kRow;
+      source->spans.push_back({layer, 0, kTokens, k_rows, k_rows + kTokens * kRow, false});
+    }
+    to_counts->Reset();
+    ASSERT_TRUE(ImportSync(**to, 1, source).ok());
+    expect_one_run(to_counts, "import from a region" + r);
+    for (int32_t layer = 0; layer < kLayers; ++layer) {
+      EXPECT_EQ(AttendBytes(**to, {1}, layer, 3 + layer), before[layer]) << "layer " << layer << r;
+    }
+    ASSERT_TRUE((*to)->ReleaseSequence(1).ok());
+  }
 }
 
 inline void CheckExportImportIsBitwise(const BackendFactory& make) {

@@ -95,5 +95,27 @@ TEST(BlockAllocatorTest, FreedPagesAreReused) {
   EXPECT_EQ(a->num_free(), 0);
 }
 
+// Pages freed together come back together, in ascending order whatever the order they were
+// freed in (a sequence's pages, freed token by token, then taken again by a restore or an
+// import), after the pages already in the list: consecutive ids stay consecutive.
+TEST(BlockAllocatorTest, PagesFreedTogetherComeBackInAscendingOrder) {
+  auto a = Make(16);
+  std::vector<int32_t> pages;
+  ASSERT_TRUE(a->Allocate(10, &pages).ok());
+  EXPECT_EQ(pages, (std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
+  for (const std::vector<int32_t>& order :
+       {std::vector<int32_t>{2, 3, 4, 5, 6, 7}, std::vector<int32_t>{7, 6, 5, 4, 3, 2},
+        std::vector<int32_t>{5, 2, 7, 3, 6, 4}}) {
+    for (int32_t p : order) ASSERT_TRUE(*a->Unref(p));
+    std::vector<int32_t> again = {99};  // appended after what is there
+    ASSERT_TRUE(a->Allocate(6, &again).ok());
+    EXPECT_EQ(again, (std::vector<int32_t>{99, 2, 3, 4, 5, 6, 7}));
+    for (int32_t p : again) {
+      if (p != 99) EXPECT_EQ(a->ref_count(p), 1);
+    }
+  }
+  EXPECT_EQ(a->num_free(), 6);
+}
+
 }  // namespace
 }  // namespace pagedattn
