@@ -1,14 +1,17 @@
 #include "server/backend/helper_thread.h"
 
 #include <chrono>
+#include <functional>
+#include <utility>
 
 #include "absl/status/status.h"
 
 namespace pagedattn {
 
-absl::StatusOr<std::unique_ptr<HelperThread>> HelperThread::Create(const Options& options) {
+absl::StatusOr<std::unique_ptr<HelperThread>> HelperThread::Create(
+    const Options& options, std::function<void()> before_take) {
   if (options.spin < absl::ZeroDuration()) return absl::InvalidArgumentError("spin must be >= 0");
-  std::unique_ptr<HelperThread> helper(new HelperThread(options));
+  std::unique_ptr<HelperThread> helper(new HelperThread(options, std::move(before_take)));
   helper->thread_ = std::thread([h = helper.get()] { h->Main(); });
   return helper;
 }
@@ -59,7 +62,7 @@ void HelperThread::Main() {
       sleeping_.store(false);
     }
     if (stop_.load()) return;
-    if (options_.before_take) options_.before_take();
+    if (before_take_) before_take_();
     int expected = kPosted;
     if (state_.compare_exchange_strong(expected, kRunning, std::memory_order_acquire)) {
       (*task_)();

@@ -22,6 +22,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <utility>
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
@@ -33,13 +34,13 @@ class HelperThread {
  public:
   struct Options {
     absl::Duration spin = absl::ZeroDuration();  // see above; >= 0
-    // For tests: runs on the helper each time it sees a posted task, before it tries to take
-    // it, so a test can hold the helper back and make the owner's Join take the task.
-    std::function<void()> before_take;
   };
 
-  // INVALID_ARGUMENT for a negative spin.
-  static absl::StatusOr<std::unique_ptr<HelperThread>> Create(const Options& options);
+  // INVALID_ARGUMENT for a negative spin. before_take, for tests: runs on the helper each time
+  // it sees a posted task, before it tries to take it, so a test can hold the helper back and
+  // make the owner's Join take the task.
+  static absl::StatusOr<std::unique_ptr<HelperThread>> Create(
+      const Options& options, std::function<void()> before_take = nullptr);
   ~HelperThread();
 
   void Post(absl::FunctionRef<void()> task);
@@ -51,10 +52,12 @@ class HelperThread {
  private:
   enum State : int { kIdle, kPosted, kRunning, kDone };
 
-  explicit HelperThread(const Options& options) : options_(options) {}
+  HelperThread(const Options& options, std::function<void()> before_take)
+      : options_(options), before_take_(std::move(before_take)) {}
   void Main();
 
   const Options options_;
+  const std::function<void()> before_take_;
   // Written by Post before `state_` turns kPosted, read by whoever moves it to kRunning.
   std::optional<absl::FunctionRef<void()>> task_;
   std::atomic<int> state_{kIdle};

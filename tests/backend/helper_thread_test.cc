@@ -55,10 +55,10 @@ TEST(HelperThreadTest, RunsTheTaskBesideTheOwner) {
 TEST(HelperThreadTest, JoinRunsATaskNotYetPickedUp) {
   std::atomic<bool> hold{true};
   std::atomic<int> held{0};
-  auto helper = *HelperThread::Create({.before_take = [&] {
+  auto helper = *HelperThread::Create({}, [&] {
     held.fetch_add(1);
     while (hold.load()) std::this_thread::yield();
-  }});
+  });
   const std::thread::id owner = std::this_thread::get_id();
   int64_t on_owner = 0;
   for (int i = 0; i < 200; ++i) {

@@ -111,7 +111,9 @@ TEST(BlockAllocatorTest, PagesFreedTogetherComeBackInAscendingOrder) {
     ASSERT_TRUE(a->Allocate(6, &again).ok());
     EXPECT_EQ(again, (std::vector<int32_t>{99, 2, 3, 4, 5, 6, 7}));
     for (int32_t p : again) {
-      if (p != 99) EXPECT_EQ(a->ref_count(p), 1);
+      if (p != 99) {
+        EXPECT_EQ(a->ref_count(p), 1);
+      }
     }
   }
   EXPECT_EQ(a->num_free(), 6);
