@@ -189,6 +189,7 @@ TEST(MemoryRegistryDeathTest, FaultOutsideRegisteredMemoryStillEndsTheProcess) {
   EXPECT_EXIT(
       {
         ShmObject shm(2 * 4096);
+        shm_unlink(shm.key().c_str());  // the child dies below: leave no object behind
         shm.Truncate(0);
         volatile char c = shm.data()[4096];
         (void)c;

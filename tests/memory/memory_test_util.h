@@ -32,9 +32,15 @@ namespace pagedattn::testing {
 class ShmObject {
  public:
   explicit ShmObject(size_t bytes) : bytes_(bytes) {
+    // A random part too: an object left behind by a killed run whose pid came round again
+    // must not collide with this one.
     static std::atomic<int> counter{0};
-    key_ = absl::StrCat("/pa-memtest-", getpid(), "-", counter.fetch_add(1));
-    fd_ = shm_open(key_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    std::mt19937_64 names(std::random_device{}());
+    do {
+      key_ = absl::StrCat("/pa-memtest-", getpid(), "-", counter.fetch_add(1), "-",
+                          absl::Hex(names()));
+      fd_ = shm_open(key_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    } while (fd_ < 0 && errno == EEXIST);
     EXPECT_GE(fd_, 0) << std::strerror(errno);
     EXPECT_EQ(ftruncate(fd_, static_cast<off_t>(bytes)), 0);
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
