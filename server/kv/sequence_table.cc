@@ -166,7 +166,9 @@ absl::StatusOr<SequenceTable::StepResult> SequenceTable::ApplyStep(uint64_t id, 
   }
   if (num_tokens <= 0) return absl::InvalidArgumentError("num_tokens must be > 0");
   auto it = sequences_.find(id);
-  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
+  }
   Sequence& seq = it->second;
   absl::StatusOr<int64_t> needed = CheckStep(id, seq, layer, num_tokens);
   if (!needed.ok()) return needed.status();

@@ -18,6 +18,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "server/engine/step_builder.h"
@@ -145,8 +146,8 @@ int Main(int argc, char** argv) {
   std::sort(us.begin(), us.end());
   double sum = 0;
   for (double x : us) sum += x;
-  std::printf("Build, B=%d x %lld tokens, %d layer(s), flush %lld MiB, %zu builds: mean %.2f us, p50 %.2f us, "
-              "p90 %.2f us, min %.2f us\n",
+  std::printf("Build, B=%d x %lld tokens, %d layer(s), flush %lld MiB, %zu builds: "
+              "mean %.2f us, p50 %.2f us, p90 %.2f us, min %.2f us\n",
               a.batch, static_cast<long long>(a.tokens), a.layers,
               static_cast<long long>(a.flush_mib), us.size(), sum / us.size(),
               us[us.size() / 2], us[us.size() * 9 / 10], us.front());
