@@ -79,6 +79,7 @@ absl::Status StepBuilder::AddDecode(SequenceTable& table, BlockAllocator& alloca
   // write is counted for each sequence whose last page is shared, even when two siblings in
   // this request share it (a conservative count: a nearly full pool may refuse a page early).
   int64_t needed = 0;
+  table.Prefetch(w.sequence_ids);
   for (uint64_t id : w.sequence_ids) {
     if (step) {
       absl::StatusOr<int64_t> n = table.CheckStep(id, w.layer, 1);
@@ -130,6 +131,7 @@ absl::Status StepBuilder::AddDecode(SequenceTable& table, BlockAllocator& alloca
   for (int64_t i = 0; i < b; ++i) {
     const uint64_t id = w.sequence_ids[i];
     int64_t tokens;
+    absl::Span<const int32_t> pages;
     if (step) {
       absl::StatusOr<SequenceTable::StepResult> r =
           table.ApplyStep(id, w.layer, 1, &batch->page_copies);
@@ -138,14 +140,16 @@ absl::Status StepBuilder::AddDecode(SequenceTable& table, BlockAllocator& alloca
       const int64_t row = i * options_.model.token_elems();
       batch->writes.push_back(TokenWrite{kk + row, vv + row, 1,
                                          static_cast<int64_t>(batch->write_slots.size())});
-      batch->write_slots.push_back(Slot(w.layer, table.Get(id)->pages, r->first_position));
+      batch->write_slots.push_back(Slot(w.layer, r->pages, r->first_position));
       tokens = r->visible_tokens;
+      pages = r->pages;
     } else {
-      tokens = table.Get(id)->length;
       table.Touch(id);
+      absl::StatusOr<SequenceTable::View> view = table.Get(id);
+      tokens = view->length;
+      pages = view->pages;
     }
-    absl::StatusOr<SequenceTable::View> view = table.Get(id);
-    if (absl::Status s = planner_->AddSequence(w.layer, view->pages, tokens, &batch->plan); !s.ok()) {
+    if (absl::Status s = planner_->AddSequence(w.layer, pages, tokens, &batch->plan); !s.ok()) {
       return absl::InternalError(s.message());
     }
     batch->q.push_back(q + i * options_.model.query_elems());
@@ -173,6 +177,11 @@ absl::Status StepBuilder::AddAppend(SequenceTable& table, WorkItem* item, Backen
 }
 
 bool StepBuilder::SequencesDistinct(const InFlight& in) {
+  // One item alone: its ids are distinct (the service checks each request's).
+  if (std::count_if(in.items.begin(), in.items.end(),
+                    [](const auto& item) { return item->in_launch; }) == 1) {
+    return true;
+  }
   keys_.clear();
   for (const auto& item : in.items) {
     if (!item->in_launch) continue;

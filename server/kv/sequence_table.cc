@@ -102,6 +102,19 @@ bool SequenceTable::NeedsCopyOnWrite(const Sequence& seq) const {
   return seq.length % page_size_ != 0 && allocator_->ref_count(seq.pages.back()) > 1;
 }
 
+void SequenceTable::Prefetch(absl::Span<const uint64_t> ids) const {
+  for (uint64_t id : ids) sequences_.prefetch(id);
+  for (uint64_t id : ids) {
+    auto it = sequences_.find(id);
+    if (it == sequences_.end()) continue;
+    const std::vector<int32_t>& pages = it->second.pages;
+    const char* const begin = reinterpret_cast<const char*>(pages.data());
+    const char* const end = reinterpret_cast<const char*>(pages.data() + pages.size());
+    for (const char* p = begin; p < end; p += 64) __builtin_prefetch(p);
+    if (!pages.empty()) __builtin_prefetch(end - 1);
+  }
+}
+
 absl::StatusOr<int64_t> SequenceTable::CheckStep(uint64_t id, int32_t layer,
                                                  int32_t num_tokens) const {
   if (layer < 0 || layer >= num_layers_) {
@@ -111,7 +124,11 @@ absl::StatusOr<int64_t> SequenceTable::CheckStep(uint64_t id, int32_t layer,
   if (num_tokens <= 0) return absl::InvalidArgumentError("num_tokens must be > 0");
   auto it = sequences_.find(id);
   if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
-  const Sequence& seq = it->second;
+  return CheckStep(id, it->second, layer, num_tokens);
+}
+
+absl::StatusOr<int64_t> SequenceTable::CheckStep(uint64_t id, const Sequence& seq, int32_t layer,
+                                                 int32_t num_tokens) const {
   if (layer == 0) {
     if (seq.offloaded) {
       return absl::FailedPreconditionError(
@@ -143,37 +160,47 @@ absl::StatusOr<int64_t> SequenceTable::CheckStep(uint64_t id, int32_t layer,
 absl::StatusOr<SequenceTable::StepResult> SequenceTable::ApplyStep(uint64_t id, int32_t layer,
                                                                    int32_t num_tokens,
                                                                    std::vector<PageCopy>* copies) {
-  absl::StatusOr<int64_t> needed = CheckStep(id, layer, num_tokens);
+  if (layer < 0 || layer >= num_layers_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " out of range [0, ", num_layers_, ")"));
+  }
+  if (num_tokens <= 0) return absl::InvalidArgumentError("num_tokens must be > 0");
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
+  }
+  Sequence& seq = it->second;
+  absl::StatusOr<int64_t> needed = CheckStep(id, seq, layer, num_tokens);
   if (!needed.ok()) return needed.status();
   if (*needed > allocator_->num_free()) {
     return absl::ResourceExhaustedError(absl::StrCat("sequence ", id, ": need ", *needed,
                                                      " free KV pages, ", allocator_->num_free(),
                                                      " free"));
   }
-  Sequence& seq = sequences_.find(id)->second;
   seq.last_used = ++use_clock_;
   if (layer == 0) {
     const bool cow = NeedsCopyOnWrite(seq);
-    std::vector<int32_t> fresh;
-    fresh.reserve(*needed);
-    if (absl::Status s = allocator_->Allocate(*needed, &fresh); !s.ok()) return s;
-    size_t next = 0;
+    // The fresh pages go straight to the end of the list (no vector of their own per step); a
+    // copy on write then moves the first of them over the shared last page.
+    const size_t old_size = seq.pages.size();
+    if (absl::Status s = allocator_->Allocate(*needed, &seq.pages); !s.ok()) return s;
     if (cow) {
-      const int32_t shared = seq.pages.back();
-      const int32_t copy = fresh[next++];
+      const int32_t shared = seq.pages[old_size - 1];
+      const int32_t copy = seq.pages[old_size];
       copies->push_back(PageCopy{shared, copy});
       // The page was shared (count > 1), so this only drops our reference.
       (void)allocator_->Unref(shared);
-      seq.pages.back() = copy;
+      seq.pages[old_size - 1] = copy;
+      seq.pages.erase(seq.pages.begin() + static_cast<std::ptrdiff_t>(old_size));
     }
     if (!cow && seq.length % page_size_ != 0) {
       // The step writes into this page past its tokens: a host copy of it no longer matches.
-      if (auto link = device_to_host_.find(seq.pages.back()); link != device_to_host_.end()) {
+      const int32_t written = seq.pages[old_size - 1];
+      if (auto link = device_to_host_.find(written); link != device_to_host_.end()) {
         host_to_device_.erase(link->second);
         device_to_host_.erase(link);
       }
     }
-    seq.pages.insert(seq.pages.end(), fresh.begin() + next, fresh.end());
     seq.step_tokens = num_tokens;
   }
   StepResult result;
@@ -188,6 +215,7 @@ absl::StatusOr<SequenceTable::StepResult> SequenceTable::ApplyStep(uint64_t id, 
     seq.next_layer = layer + 1;
   }
   result.length = seq.length;
+  result.pages = seq.pages;
   return result;
 }
 

@@ -76,6 +76,7 @@ class SequenceTable {
     int64_t first_position = 0;  // position of the step's first token (the committed length before)
     int64_t visible_tokens = 0;  // tokens at this layer after the write: first_position + n
     int64_t length = 0;          // committed length after this layer (grows at the last layer)
+    absl::Span<const int32_t> pages;  // the sequence's pages after this layer (as Get's)
   };
 
   int32_t num_layers() const { return num_layers_; }
@@ -93,6 +94,10 @@ class SequenceTable {
   absl::Status Remove(uint64_t id);
   // NOT_FOUND.
   absl::StatusOr<View> Get(uint64_t id) const;
+  // Starts loading what steps and lookups of `ids` read (their entries and page lists) into the
+  // CPU's caches, all at once, so that the misses of a batch's sequences overlap instead of
+  // coming one after the other. A hint: changes nothing; unknown ids are skipped.
+  void Prefetch(absl::Span<const uint64_t> ids) const;
 
   // Checks that a step of num_tokens may run at `layer` now and returns how many free pages it
   // would take (only layer 0 takes any; a copy on write counts one). Changes nothing.
@@ -156,6 +161,9 @@ class SequenceTable {
   absl::Status UnrefPage(int32_t page, bool host);
   // Whether the step starting now must copy the last page before writing into it.
   bool NeedsCopyOnWrite(const Sequence& seq) const;
+  // CheckStep for a sequence found already.
+  absl::StatusOr<int64_t> CheckStep(uint64_t id, const Sequence& seq, int32_t layer,
+                                    int32_t num_tokens) const;
 
   const int32_t num_layers_;
   const int32_t page_size_;

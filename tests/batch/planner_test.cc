@@ -1,5 +1,7 @@
 #include "server/batch/planner.h"
 
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -57,6 +59,50 @@ TEST(PlannerTest, RejectsBadSequencesAndLeavesThePlanUnchanged) {
   EXPECT_EQ(plan.kv_indptr, before.kv_indptr);
   EXPECT_EQ(plan.kv_indices, before.kv_indices);
   EXPECT_EQ(plan.kv_last_page_len, before.kv_last_page_len);
+}
+
+TEST(PlannerTest, LongPageListsAreCheckedAndWrittenWhole) {
+  // Lists longer than the eight entries the planner handles at a time, with a remainder.
+  auto planner = *Planner::Create({.num_layers = 3, .num_pages = 100});
+  std::vector<int32_t> pages(21);
+  for (int32_t i = 0; i < 21; ++i) pages[i] = (i * 37) % 100;
+  Plan plan;
+  ASSERT_TRUE(planner->AddSequence(2, pages, 21 * 64 - 5, &plan).ok());
+  ASSERT_EQ(plan.kv_indices.size(), 21u);
+  for (int32_t i = 0; i < 21; ++i) EXPECT_EQ(plan.kv_indices[i], 200 + pages[i]) << i;
+  EXPECT_EQ(plan.kv_last_page_len, std::vector<int32_t>{59});
+
+  // A bad page anywhere (in an eight, in the remainder, negative, the first past the end)
+  // fails and leaves the plan as it was.
+  const Plan before = plan;
+  for (auto [at, value] : std::vector<std::pair<int, int32_t>>{
+           {0, 100}, {5, -1}, {13, 1 << 30}, {16, 100}, {20, -7}}) {
+    std::vector<int32_t> bad = pages;
+    bad[at] = value;
+    const absl::Status s = planner->AddSequence(1, bad, 21 * 64, &plan);
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << at << ": " << s;
+    EXPECT_NE(s.message().find(std::to_string(value)), absl::string_view::npos) << s;
+    EXPECT_EQ(plan.kv_indptr, before.kv_indptr);
+    EXPECT_EQ(plan.kv_indices, before.kv_indices);
+    EXPECT_EQ(plan.kv_last_page_len, before.kv_last_page_len);
+  }
+  // Pages past those the tokens use are not read.
+  std::vector<int32_t> tail = pages;
+  tail[20] = -1;
+  ASSERT_TRUE(planner->AddSequence(0, tail, 20 * 64, &plan).ok());
+  EXPECT_EQ(plan.kv_indices.size(), 41u);
+}
+
+TEST(PlannerTest, AFailedFirstSequenceLeavesAnEmptyPlanAsItWas) {
+  auto planner = *Planner::Create({.num_layers = 1, .num_pages = 4});
+  for (Plan plan : {Plan{}, Plan{.kv_indptr = {}}}) {
+    const std::vector<int32_t> indptr = plan.kv_indptr;
+    EXPECT_TRUE(absl::IsInvalidArgument(
+        planner->AddSequence(0, std::vector<int32_t>{0, 9}, 100, &plan)));
+    EXPECT_EQ(plan.kv_indptr, indptr);
+    EXPECT_TRUE(plan.kv_indices.empty());
+    EXPECT_TRUE(plan.kv_last_page_len.empty());
+  }
 }
 
 }  // namespace

@@ -120,6 +120,25 @@ TEST(EngineTest, TellsTheBackendWhenABatchsSequencesAreDistinct) {
   model.Check(f, *rf);
   EXPECT_EQ(backend->distinct().back(), std::make_pair(1, false));
   EXPECT_EQ(backend->distinct().size(), 5u);
+
+  // One request alone in its batch (it fills the batch): its sequences are distinct.
+  const DecodeWork g = model.MakeDecode({2, 3}, 0, true);
+  auto rg = DecodeSync(*engine, g);
+  ASSERT_TRUE(rg.ok()) << rg.status();
+  model.Check(g, *rg);
+  EXPECT_EQ(backend->distinct().back(), std::make_pair(2, true));
+  // Two items of which one fails: the one applied is alone.
+  const DecodeWork h = model.MakeDecode({2}, 0, true);
+  DecodeWork unknown = model.MakeDecode({3}, 0, false);
+  unknown.sequence_ids = {9};
+  auto fh = DecodeAsync(*engine, h);
+  auto fu = DecodeAsync(*engine, unknown);
+  auto rh = fh.get();
+  ASSERT_TRUE(rh.ok()) << rh.status();
+  EXPECT_TRUE(absl::IsNotFound(fu.get().status()));
+  model.Check(h, *rh);
+  EXPECT_EQ(backend->distinct().back(), std::make_pair(1, true));
+  EXPECT_EQ(backend->distinct().size(), 7u);
 }
 
 TEST(EngineTest, CreateRejectsBadOptions) {

@@ -182,11 +182,51 @@ TEST_F(SequenceTableTest, CopyOnWriteWithCrossingIntoNewPage) {
   ASSERT_TRUE(table_->Add(1).ok());
   Step(1, 10);
   ASSERT_TRUE(table_->Fork(1, 2).ok());
+  const std::vector<int32_t> parent = Pages(1);
   EXPECT_EQ(*table_->CheckStep(2, 0, 60), 2);  // copy + one new page
-  ASSERT_TRUE(table_->ApplyStep(2, 0, 60, &copies_).ok());
-  EXPECT_EQ(copies_.size(), 1u);
-  EXPECT_EQ(Pages(2).size(), 2u);
+  auto r = table_->ApplyStep(2, 0, 60, &copies_);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(copies_.size(), 1u);
+  const std::vector<int32_t> child = Pages(2);
+  ASSERT_EQ(child.size(), 2u);
+  // The copy replaces the shared page in place; the new page follows it.
+  EXPECT_EQ(copies_[0].src, parent[0]);
+  EXPECT_EQ(copies_[0].dst, child[0]);
+  EXPECT_NE(child[1], child[0]);
+  EXPECT_NE(child[1], parent[0]);
+  EXPECT_EQ(std::vector<int32_t>(r->pages.begin(), r->pages.end()), child);
+  EXPECT_EQ(Pages(1), parent);
+  EXPECT_EQ(allocator_->ref_count(parent[0]), 1);
   EXPECT_EQ(allocator_->num_free(), 8 - 3);
+}
+
+TEST_F(SequenceTableTest, StepResultNamesThePagesAfterTheLayer) {
+  Init(8, 2);
+  ASSERT_TRUE(table_->Add(1).ok());
+  for (int32_t n : {64, 1, 70}) {
+    for (int32_t layer = 0; layer < 2; ++layer) {
+      auto r = table_->ApplyStep(1, layer, n, &copies_);
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(std::vector<int32_t>(r->pages.begin(), r->pages.end()), Pages(1));
+      EXPECT_EQ(static_cast<int64_t>(r->pages.size()), (r->visible_tokens + 63) / 64);
+    }
+  }
+  EXPECT_EQ(table_->Get(1)->length, 135);
+}
+
+TEST_F(SequenceTableTest, PrefetchChangesNothing) {
+  Init(8, 1);
+  ASSERT_TRUE(table_->Add(1).ok());
+  ASSERT_TRUE(table_->Add(2).ok());
+  Step(1, 100);
+  const std::vector<uint64_t> ids = {2, 7, 1};  // 7 is unknown
+  table_->Prefetch(ids);
+  EXPECT_FALSE(table_->Contains(7));
+  EXPECT_EQ(table_->num_sequences(), 2);
+  EXPECT_EQ(Pages(1).size(), 2u);
+  EXPECT_TRUE(Pages(2).empty());
+  EXPECT_EQ(allocator_->num_free(), 6);
+  EXPECT_EQ(table_->total_tokens(), 100);
 }
 
 TEST_F(SequenceTableTest, ForkMidStepIsFailedPrecondition) {
