@@ -140,7 +140,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Options& 
   impl->copier = *std::move(pool);
   if (options.tuning.plan_on_helper) {
     absl::StatusOr<std::unique_ptr<HelperThread>> planner =
-        HelperThread::Create({.spin = absl::Microseconds(options.spin_wait_us), .before_take = {}});
+        HelperThread::Create({.spin = absl::Microseconds(options.spin_wait_us)});
     if (!planner.ok()) return planner.status();
     impl->planner = *std::move(planner);
   }

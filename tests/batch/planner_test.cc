@@ -95,7 +95,7 @@ TEST(PlannerTest, LongPageListsAreCheckedAndWrittenWhole) {
 
 TEST(PlannerTest, AFailedFirstSequenceLeavesAnEmptyPlanAsItWas) {
   auto planner = *Planner::Create({.num_layers = 1, .num_pages = 4});
-  for (Plan plan : {Plan{}, Plan{.kv_indptr = {}}}) {
+  for (Plan plan : {Plan{}, Plan{.kv_indptr = {}, .kv_indices = {}, .kv_last_page_len = {}}}) {
     const std::vector<int32_t> indptr = plan.kv_indptr;
     EXPECT_TRUE(absl::IsInvalidArgument(
         planner->AddSequence(0, std::vector<int32_t>{0, 9}, 100, &plan)));
