@@ -35,6 +35,7 @@
 #include "pagedattn/kernels/decode.h"
 #include "server/backend/cuda_backend.h"
 #include "server/engine/engine.h"
+#include "tests/engine/bench_util.h"
 #include "tests/engine/counting_backend.h"
 #include "tests/engine/tier_checks.h"
 
@@ -42,7 +43,9 @@ namespace pagedattn {
 namespace {
 
 namespace k = kernels;
+using testing::Check;
 using testing::CountingBackend;
+using testing::Median;
 
 double Seconds(const std::function<void()>& f, int reps) {
   f();  // warm up
@@ -56,12 +59,6 @@ double Seconds(const std::function<void()>& f, int reps) {
   return times[times.size() / 2];  // the median
 }
 
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 // `copies` < 0: not counted.
 void Print(const char* what, int64_t bytes, double seconds, double baseline_gbps, double copies = -1) {
   const double gbps = bytes / seconds / 1e9;
@@ -70,18 +67,6 @@ void Print(const char* what, int64_t bytes, double seconds, double baseline_gbps
   if (copies >= 0) std::printf("  %6.0f copies", copies);
   std::printf("\n");
 }
-
-void Check(const absl::Status& s, const char* what) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, std::string(s.message()).c_str());
-    std::exit(1);
-  }
-}
-template <typename T>
-void Check(const absl::StatusOr<T>& s, const char* what) {
-  Check(s.status(), what);
-}
-#define CHECK_OK(expr) Check((expr), #expr)
 
 // The CUDA backend on `device`, its transfers counted.
 std::unique_ptr<CountingBackend> CountedCuda(int32_t device) {

@@ -28,6 +28,7 @@
 #include "server/backend/cpu_backend.h"
 #include "server/engine/engine.h"
 #include "server/metrics/metrics.h"
+#include "tests/engine/bench_util.h"
 #include "tests/engine/counting_backend.h"
 #include "tests/engine/tier_checks.h"
 
@@ -35,28 +36,13 @@ namespace pagedattn {
 namespace {
 
 namespace k = kernels;
+using testing::Check;
 using testing::CountingBackend;
+using testing::Median;
 
 double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-void Check(const absl::Status& s, const char* what) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, std::string(s.message()).c_str());
-    std::exit(1);
-  }
-}
-template <typename T>
-void Check(const absl::StatusOr<T>& s, const char* what) {
-  Check(s.status(), what);
-}
-#define CHECK_OK(expr) Check((expr), #expr)
 
 // Medians over the rounds of one engine-level transfer: its time, the copies it issued and
 // the time inside the backend's transfer calls.
