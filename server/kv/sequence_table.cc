@@ -117,18 +117,19 @@ void SequenceTable::Prefetch(absl::Span<const uint64_t> ids) const {
 
 absl::StatusOr<int64_t> SequenceTable::CheckStep(uint64_t id, int32_t layer,
                                                  int32_t num_tokens) const {
+  auto it = sequences_.find(id);
+  return CheckStep(id, it == sequences_.end() ? nullptr : &it->second, layer, num_tokens);
+}
+
+absl::StatusOr<int64_t> SequenceTable::CheckStep(uint64_t id, const Sequence* found,
+                                                 int32_t layer, int32_t num_tokens) const {
   if (layer < 0 || layer >= num_layers_) {
     return absl::InvalidArgumentError(
         absl::StrCat("layer ", layer, " out of range [0, ", num_layers_, ")"));
   }
   if (num_tokens <= 0) return absl::InvalidArgumentError("num_tokens must be > 0");
-  auto it = sequences_.find(id);
-  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
-  return CheckStep(id, it->second, layer, num_tokens);
-}
-
-absl::StatusOr<int64_t> SequenceTable::CheckStep(uint64_t id, const Sequence& seq, int32_t layer,
-                                                 int32_t num_tokens) const {
+  if (found == nullptr) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
+  const Sequence& seq = *found;
   if (layer == 0) {
     if (seq.offloaded) {
       return absl::FailedPreconditionError(
@@ -160,18 +161,11 @@ absl::StatusOr<int64_t> SequenceTable::CheckStep(uint64_t id, const Sequence& se
 absl::StatusOr<SequenceTable::StepResult> SequenceTable::ApplyStep(uint64_t id, int32_t layer,
                                                                    int32_t num_tokens,
                                                                    std::vector<PageCopy>* copies) {
-  if (layer < 0 || layer >= num_layers_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer ", layer, " out of range [0, ", num_layers_, ")"));
-  }
-  if (num_tokens <= 0) return absl::InvalidArgumentError("num_tokens must be > 0");
   auto it = sequences_.find(id);
-  if (it == sequences_.end()) {
-    return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
-  }
-  Sequence& seq = it->second;
-  absl::StatusOr<int64_t> needed = CheckStep(id, seq, layer, num_tokens);
+  Sequence* const found = it == sequences_.end() ? nullptr : &it->second;
+  absl::StatusOr<int64_t> needed = CheckStep(id, found, layer, num_tokens);
   if (!needed.ok()) return needed.status();
+  Sequence& seq = *found;
   if (*needed > allocator_->num_free()) {
     return absl::ResourceExhaustedError(absl::StrCat("sequence ", id, ": need ", *needed,
                                                      " free KV pages, ", allocator_->num_free(),

@@ -161,8 +161,8 @@ class SequenceTable {
   absl::Status UnrefPage(int32_t page, bool host);
   // Whether the step starting now must copy the last page before writing into it.
   bool NeedsCopyOnWrite(const Sequence& seq) const;
-  // CheckStep for a sequence found already.
-  absl::StatusOr<int64_t> CheckStep(uint64_t id, const Sequence& seq, int32_t layer,
+  // CheckStep for a sequence looked up already (`found`: null when `id` is unknown).
+  absl::StatusOr<int64_t> CheckStep(uint64_t id, const Sequence* found, int32_t layer,
                                     int32_t num_tokens) const;
 
   const int32_t num_layers_;
