@@ -16,6 +16,18 @@ GROUP = NUM_QO_HEADS // NUM_KV_HEADS
 
 _SERVING = re.compile(r"serving grpc=[^:\s]+:(\d+) metrics=(?:[^:\s]+:(\d+)|off)")
 
+# What opens a sanitizer report in a process's output. A sanitizer build's server prints its
+# reports and runs on (halt_on_error=0), so its exit status alone does not show them.
+_SANITIZER = re.compile(r"^.*(WARNING: ThreadSanitizer|ERROR: (Thread|Address|Leak)Sanitizer"
+                        r"|: runtime error: ).*$", re.MULTILINE)
+
+
+def check_no_sanitizer_report(output):
+    """Raises AssertionError with the first sanitizer report (at most 16 KiB) in `output`."""
+    m = _SANITIZER.search(output)
+    if m:
+        raise AssertionError("the server printed a sanitizer report:\n" + output[m.start():][:16384])
+
 
 class Server:
     """A pagedattn-server process; use as a context manager (killed on exit if still running)."""
@@ -44,9 +56,11 @@ class Server:
         self._ready.set()
 
     def kill(self):
+        """Kills the server if it still runs; AssertionError if it printed a sanitizer report."""
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        check_no_sanitizer_report("".join(self.output))
 
     def __enter__(self):
         return self

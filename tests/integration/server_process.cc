@@ -6,6 +6,7 @@
 
 #include <fcntl.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -13,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/health/health_probe.h"
+#include "gtest/gtest.h"
 #include "tests/integration/child_process.h"
 
 namespace pagedattn::testing {
@@ -68,6 +70,18 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   return server;
 }
 
+std::string SanitizerReport(std::string_view output) {
+  size_t at = std::string_view::npos;
+  for (std::string_view marker : {"WARNING: ThreadSanitizer", "ERROR: ThreadSanitizer",
+                                  "ERROR: AddressSanitizer", "ERROR: LeakSanitizer",
+                                  ": runtime error: "}) {
+    at = std::min(at, output.find(marker));
+  }
+  if (at == std::string_view::npos) return "";
+  const size_t line = output.rfind('\n', at);
+  return std::string(output.substr(line == std::string_view::npos ? 0 : line + 1, 16 << 10));
+}
+
 ServerProcess::~ServerProcess() {
   if (pid_ > 0 && !reaped_) {
     kill(pid_, SIGKILL);
@@ -75,6 +89,9 @@ ServerProcess::~ServerProcess() {
     waitpid(pid_, &status, 0);
   }
   if (reader_.joinable()) reader_.join();
+  if (const std::string report = SanitizerReport(output()); !report.empty()) {
+    ADD_FAILURE() << "the server (pid " << pid_ << ") printed a sanitizer report:\n" << report;
+  }
 }
 
 std::string ServerProcess::grpc_target() const { return grpc_target_; }

@@ -2,13 +2,15 @@
 // (--grpc_address=127.0.0.1:0 --metrics_address=127.0.0.1:0; the ports come from its
 // "serving" line), ready once its health service answers SERVING. A later
 // --grpc_address=unix:/path flag puts it on a Unix domain socket instead (grpc_port() is 0). The destructor kills and
-// reaps it if it still runs. Not thread-safe (one test thread drives it).
+// reaps it if it still runs, and fails the running test (ADD_FAILURE) if the server printed a
+// sanitizer report. Not thread-safe (one test thread drives it).
 #pragma once
 
 #include <sys/types.h>
 
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -21,6 +23,13 @@ namespace pagedattn::testing {
 
 // The server binary: $PAGEDATTN_SERVER_BIN, else the path CMake compiled in.
 std::string ServerBinary();
+
+// The first sanitizer report in a process's output (from the line that opens it, at most
+// 16 KiB), or "" when there is none: a ThreadSanitizer warning, an AddressSanitizer or
+// LeakSanitizer error, or an UndefinedBehaviorSanitizer runtime error. A sanitizer build's
+// server prints its reports and runs on (halt_on_error=0), so its exit status alone does not
+// show them.
+std::string SanitizerReport(std::string_view output);
 
 class ServerProcess {
  public:

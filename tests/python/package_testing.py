@@ -17,7 +17,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
-from pagedattn_testing import Server, poll  # noqa: E402,F401  pylint: disable=wrong-import-position
+from pagedattn_testing import Server, check_no_sanitizer_report, poll  # noqa: E402,F401  pylint: disable=wrong-import-position
 
 ARGS = None
 
@@ -142,10 +142,12 @@ class UnixServer:
         self.target = f"unix:{match.group(1)}"
 
     def kill(self):
+        """Kills the server if it still runs; AssertionError if it printed a sanitizer report."""
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
         shutil.rmtree(self._dir, ignore_errors=True)
+        check_no_sanitizer_report("".join(self.output))
 
 
 class ServerCase(unittest.TestCase):
