@@ -240,10 +240,26 @@ void Engine::Impl::PublishPoolLocked() {
 }
 
 void Engine::Impl::ExportSequence(uint64_t id, ExportDone done) {
+  // The copy is allocated and faulted in here, on the caller's thread, for the length the
+  // sequence has now, so that the task (which holds up every step while it runs) only copies;
+  // the task allocates its own if the length changed in between.
+  std::shared_ptr<SequenceData> buffer;
+  int64_t length = 0;
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    if (absl::StatusOr<SequenceTable::View> view = table_->Get(id); view.ok()) length = view->length;
+  }
+  if (length > 0) {
+    buffer = std::make_shared<SequenceData>();
+    if (!buffer->Allocate(options_.num_layers, length, options_.model, /*prefault=*/true).ok()) {
+      buffer.reset();  // the task reports it
+    }
+  }
   auto data = std::make_shared<std::shared_ptr<const SequenceData>>();
   admission_->Task(
-      [this, id, data]() -> absl::Status {
-        absl::StatusOr<std::shared_ptr<const SequenceData>> d = tiers_->Export(*table_, id);
+      [this, id, data, buffer = std::move(buffer)]() mutable -> absl::Status {
+        absl::StatusOr<std::shared_ptr<const SequenceData>> d =
+            tiers_->Export(*table_, id, std::move(buffer));
         if (!d.ok()) return d.status();
         *data = *std::move(d);
         return absl::OkStatus();

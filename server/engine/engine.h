@@ -106,16 +106,24 @@ struct EngineStats {
 // ImportSequence): layer l's K is k(l), [pages * page_size, num_kv_heads, head_dim] in the
 // pages' element type, the layer's pages in token order; rows past `length` are undefined.
 // V likewise.
+struct HostMappingDeleter {  // unmaps an anonymous mapping of `size` bytes
+  size_t size = 0;
+  void operator()(char* p) const;
+};
+
 struct SequenceData {
   int64_t length = 0;
   int32_t num_layers = 0;
   int64_t num_pages = 0;               // ceil(length / page_size)
   int32_t page_size = 0;               // tokens per page
   int64_t page_bytes = 0;              // one page of K (or V) as stored
-  std::unique_ptr<char[]> bytes;       // [num_layers][K, V][num_pages * page_bytes]
+  std::unique_ptr<char[], HostMappingDeleter> bytes;  // [num_layers][K, V][num_pages * page_bytes]
   // Allocates (uninitialized) for `length` tokens of `num_layers` layers in pages of `model`.
-  // RESOURCE_EXHAUSTED when the memory is not there.
-  absl::Status Allocate(int32_t layers, int64_t tokens, const kernels::Shape& model);
+  // `prefault`: every page is faulted in now (one kernel call), so that the copy that fills it
+  // later runs at memcpy speed; otherwise pages are committed as they are first written (memory
+  // a client only announced costs nothing). RESOURCE_EXHAUSTED when the memory is not there.
+  absl::Status Allocate(int32_t layers, int64_t tokens, const kernels::Shape& model,
+                        bool prefault = false);
   int64_t layer_bytes() const { return num_pages * page_bytes; }
   int64_t row_bytes() const { return page_bytes / page_size; }  // one token's K (or V)
   char* k(int32_t layer) const { return bytes.get() + (2 * int64_t{layer}) * layer_bytes(); }

@@ -6,6 +6,8 @@
 #include <new>
 #include <utility>
 
+#include <sys/mman.h>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "pagedattn/kernels/decode.h"
@@ -70,19 +72,29 @@ absl::Status BetweenSteps(const SequenceTable::View& view, uint64_t id) {
 
 }  // namespace
 
-absl::Status SequenceData::Allocate(int32_t layers, int64_t tokens, const k::Shape& model) {
+absl::Status SequenceData::Allocate(int32_t layers, int64_t tokens, const k::Shape& model,
+                                    bool prefault) {
   length = tokens;
   num_layers = layers;
   page_size = model.page_size;
   page_bytes = model.page_bytes();
   num_pages = model.pages_for(tokens);
   const int64_t total = 2 * int64_t{layers} * layer_bytes();
-  bytes.reset(total > 0 ? new (std::nothrow) char[total] : nullptr);
+  bytes.reset();
+  if (total > 0) {
+    const size_t size = static_cast<size_t>(total);
+    const int flags = MAP_PRIVATE | MAP_ANONYMOUS | (prefault ? MAP_POPULATE : 0);
+    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, flags, -1, 0);
+    if (p != MAP_FAILED) bytes.reset(static_cast<char*>(p));
+    bytes.get_deleter().size = size;
+  }
   if (total > 0 && bytes == nullptr) {
     return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", total, " bytes for a sequence copy"));
   }
   return absl::OkStatus();
 }
+
+void HostMappingDeleter::operator()(char* p) const { munmap(p, size); }
 
 std::shared_ptr<const SequenceSource> SequenceSource::Of(std::shared_ptr<const SequenceData> data) {
   auto source = std::make_shared<SequenceSource>();
@@ -270,12 +282,18 @@ absl::Status Tiers::PrepareItem(SequenceTable& table, BlockAllocator& allocator,
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<const SequenceData>> Tiers::Export(SequenceTable& table, uint64_t id) {
+absl::StatusOr<std::shared_ptr<const SequenceData>> Tiers::Export(SequenceTable& table, uint64_t id,
+                                                                 std::shared_ptr<SequenceData> buffer) {
   absl::StatusOr<SequenceTable::View> view = table.Get(id);
   if (!view.ok()) return view.status();
   if (absl::Status s = BetweenSteps(*view, id); !s.ok()) return s;
-  auto data = std::make_shared<SequenceData>();
-  if (absl::Status s = data->Allocate(options_.num_layers, view->length, options_.model); !s.ok()) return s;
+  std::shared_ptr<SequenceData> data = std::move(buffer);
+  if (data == nullptr || data->length != view->length) {
+    data = std::make_shared<SequenceData>();
+    if (absl::Status s = data->Allocate(options_.num_layers, view->length, options_.model); !s.ok()) {
+      return s;
+    }
+  }
   // Only the pages that hold committed tokens (a step's pages are never here: not mid-step).
   const auto pages = view->pages.subspan(0, data->num_pages);
   if (view->offloaded) {

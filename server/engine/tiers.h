@@ -71,7 +71,10 @@ class Tiers {
                            absl::Span<const uint64_t> ids, int32_t layer, int32_t num_tokens,
                            const InFlight& batch);
 
-  absl::StatusOr<std::shared_ptr<const SequenceData>> Export(SequenceTable& table, uint64_t id);
+  // `buffer`, when it holds exactly the sequence's length, receives the copy; otherwise one is
+  // allocated.
+  absl::StatusOr<std::shared_ptr<const SequenceData>> Export(SequenceTable& table, uint64_t id,
+                                                             std::shared_ptr<SequenceData> buffer);
   // Engine::ExportSequenceTo: the committed length, once written into `destination`.
   absl::StatusOr<int64_t> ExportTo(SequenceTable& table, uint64_t id, Tensor& destination);
   // Import's batch holds nothing else, so no exclusion is needed for room.

@@ -9,11 +9,13 @@
 //   - OffloadSequence, and the restore a Decode triggers (the Decode's time less that of the
 //     same Decode on the resident sequence, and as the engine's restore stage measures it),
 //     repeated: each round's pages are the ones the last round freed;
-//   - ExportSequence / ImportSequence (by bytes), and ExportSequenceTo into a region then
-//     ImportSequence from it (one span per layer), between two engines, the copy released
-//     between rounds.
+//   - ExportSequence / ImportSequence (by bytes) between two engines, the copy released between
+//     rounds, and the longest one-page Decode of another sequence while an export runs (the
+//     export's task holds up every step);
+//   - ExportSequenceTo into a region then ImportSequence from it (one span per layer).
 // usage: pagedattn_engine_tier_bench [tokens=32768] [layers=1] [reps=10] [threads=2]
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -22,6 +24,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "pagedattn/kernels/decode.h"
@@ -205,6 +208,39 @@ int Main(int argc, char** argv) {
     }
     Print("engine ExportSequence", bytes, export_bytes, memcpy_seconds);
     Print("engine ImportSequence", bytes, import_bytes, memcpy_seconds);
+
+    // What an export costs everyone else: one-page Decodes of another sequence, one after
+    // another, while an ExportSequence runs; the longest of them waited for the export's task
+    // (which every step waits for), against the same Decode alone.
+    {
+      FillSequence(*from, 2, layers, k::kPageSize, rng);
+      DecodeWork small;
+      small.layer = 0;
+      small.sequence_ids = {2};
+      small.sm_scale = testing::kDefaultScale;
+      small.q = testing::ToBytes(testing::RandomBf16(k::kQueryElems, rng));
+      std::vector<double> alone, longest;
+      for (int i = 0; i <= reps; ++i) {
+        const double t0 = Now();
+        CHECK_OK(testing::DecodeSync(*from, small));
+        alone.push_back(Now() - t0);
+        std::atomic<bool> exported{false};
+        double worst = 0;
+        std::thread decoder([&] {
+          while (!exported.load()) {
+            const double t = Now();
+            CHECK_OK(testing::DecodeSync(*from, small));
+            worst = std::max(worst, Now() - t);
+          }
+        });
+        CHECK_OK(testing::ExportSync(*from, 1));
+        exported.store(true);
+        decoder.join();
+        if (i > 0) longest.push_back(worst);
+      }
+      std::printf("%-30s %8.3f ms (one alone %.3f ms)\n", "longest 1-page Decode meanwhile",
+                  Median(longest) * 1e3, Median(alone) * 1e3);
+    }
 
     // The region: every layer's K rows then its V rows, packed; one span per layer.
     std::unique_ptr<char[]> region(new char[rows]);
