@@ -6,7 +6,8 @@
 # BUNDLE (default .device/bundle, made by server/backend/make_device_bundle.sh) holds
 # pagedattn-server and pagedattn-loadgen built with CUDA. Two servers run one after the other,
 # each with one layer, batches of 64 and no batching delay: on 127.0.0.1 (TCP) and on a Unix
-# socket. Writes OUT_DIR/<run>.json, summary.txt and tensors.md (the table against the targets).
+# socket. Writes OUT_DIR/<run>.json, summary.txt and tensors.md (the table against the targets),
+# and grpc_floor_{tcp,unix}.txt (pagedattn_grpc_floor_bench, when the bundle has it).
 # SMOKE=1: tiny shapes, for trying the script on a CPU-backend server (cuda runs are skipped).
 # KINDS: the tensor kinds to run (default "inline system cuda").
 # SERVER: the server binary's name in BUNDLE/bin (default pagedattn-server), to measure a variant.
@@ -57,5 +58,13 @@ for kind in $kinds; do
     --warmup_steps=200 --steps=$small_steps --check_sequences=1 --check_decodes=32
 done
 stop_server
+# What gRPC alone charges for the same bytes (opaque payloads between two processes, no
+# protobuf, no service): the floor of the inline runs above, beside their p50 - kernel - round trip.
+if [[ -x $bundle/bin/pagedattn_grpc_floor_bench ]]; then
+  for via in tcp unix; do
+    timeout 120 "$bundle/bin/pagedattn_grpc_floor_bench" 2000 $([[ $via == unix ]] && echo unix) \
+      > "$out/grpc_floor_$via.txt" 2>&1 || echo "!! grpc floor ($via) failed" >> "$out/summary.txt"
+  done
+fi
 python3 client/loadgen/tensors_table.py "$out" > "$out/tensors.md"
 cat "$out/tensors.md"

@@ -23,7 +23,8 @@ grep -q "pagedattn: CUDA kernels ON" "$build.configure.log" ||
 required=(pagedattn-server pagedattn-cli pagedattn-health pagedattn_cuda_backend_test)
 optional=(pagedattn-loadgen pagedattn_kernel_gpu_test pagedattn_cuda_staging_test
           pagedattn_cuda_ipc_test pagedattn_cuda_ipc_peer pagedattn_cuda_tiers_test
-          pagedattn_cuda_tier_bench pagedattn_local_channel_gpu_test pagedattn-kernel-bench)
+          pagedattn_cuda_tier_bench pagedattn_local_channel_gpu_test pagedattn-kernel-bench
+          pagedattn_grpc_floor_bench)
 targets=("${required[@]}")
 available=$(cmake --build "$build" --target help | awk '{print $2}')
 for t in "${optional[@]}"; do
