@@ -46,6 +46,16 @@ class BackendRegionMapper final : public RegionMapper {
 
 }  // namespace
 
+class PendingImport {
+ public:
+  PendingImport(uint64_t id, int64_t length, std::vector<int32_t> pages)
+      : id(id), length(length), pages(std::move(pages)) {}
+  const uint64_t id;
+  const int64_t length;
+  std::vector<int32_t> pages;  // the executor's; given to the sequence or back by EndImport
+  bool ended = false;          // the executor's
+};
+
 class Engine::Impl {
  public:
   Impl(const Options& options, std::unique_ptr<Backend> backend, Metrics* metrics)
@@ -70,6 +80,10 @@ class Engine::Impl {
   void Append(AppendWork work, AppendDone done) { admission_->Append(std::move(work), std::move(done)); }
   void ExportSequence(uint64_t id, ExportDone done);
   void ImportSequence(uint64_t id, std::shared_ptr<const SequenceSource> source, ImportDone done);
+  void BeginImport(uint64_t id, int64_t length, BeginImportDone done);
+  void ImportRows(std::shared_ptr<PendingImport> import, const SequenceSource::Span& span,
+                  std::shared_ptr<const void> holder, std::function<void(absl::Status)> done);
+  void EndImport(std::shared_ptr<PendingImport> import, bool commit, ImportDone done);
   void ExportSequenceTo(uint64_t id, Tensor destination, ExportToDone done);
   void OffloadSequence(uint64_t id, StatusDone done);
   bool HasSequence(uint64_t id) const {
@@ -292,6 +306,63 @@ void Engine::Impl::ImportSequence(uint64_t id, std::shared_ptr<const SequenceSou
       });
 }
 
+void Engine::Impl::BeginImport(uint64_t id, int64_t length, BeginImportDone done) {
+  auto import = std::make_shared<std::shared_ptr<PendingImport>>();
+  admission_->Task(
+      [this, id, length, import]() -> absl::Status {
+        absl::StatusOr<std::vector<int32_t>> pages = tiers_->Reserve(*table_, *allocator_, id, length);
+        if (!pages.ok()) return pages.status();
+        *import = std::make_shared<PendingImport>(id, length, *std::move(pages));
+        PublishPoolLocked();
+        return absl::OkStatus();
+      },
+      [import, done = std::move(done)](const absl::Status& s) {
+        if (s.ok()) {
+          done(std::move(*import));
+        } else {
+          done(s);
+        }
+      });
+}
+
+void Engine::Impl::ImportRows(std::shared_ptr<PendingImport> import, const SequenceSource::Span& span,
+                              std::shared_ptr<const void> holder,
+                              std::function<void(absl::Status)> done) {
+  assert(import != nullptr);
+  admission_->Task(
+      [this, import = std::move(import), span]() -> absl::Status {
+        if (import->ended) return absl::FailedPreconditionError("the import has ended");
+        return tiers_->WriteRows(import->pages, span);
+      },
+      // The span's memory is released only after the copy.
+      [holder = std::move(holder), done = std::move(done)](const absl::Status& s) { done(s); });
+}
+
+void Engine::Impl::EndImport(std::shared_ptr<PendingImport> import, bool commit, ImportDone done) {
+  assert(import != nullptr);
+  const int64_t length = import->length;
+  admission_->Task(
+      [this, import = std::move(import), commit]() -> absl::Status {
+        if (import->ended) return absl::FailedPreconditionError("the import has ended");
+        import->ended = true;
+        absl::Status s = commit ? table_->Adopt(import->id, import->length, import->pages)
+                                : absl::CancelledError("the import was abandoned");
+        if (!s.ok()) {
+          for (int32_t page : import->pages) (void)allocator_->Unref(page);
+        }
+        import->pages.clear();
+        PublishPoolLocked();
+        return commit ? s : absl::OkStatus();
+      },
+      [length, done = std::move(done)](const absl::Status& s) {
+        if (s.ok()) {
+          done(length);
+        } else {
+          done(s);
+        }
+      });
+}
+
 void Engine::Impl::ExportSequenceTo(uint64_t id, Tensor destination, ExportToDone done) {
   auto length = std::make_shared<int64_t>(0);
   auto dest = std::make_shared<Tensor>(std::move(destination));
@@ -426,6 +497,16 @@ void Engine::ImportSequence(uint64_t id, std::shared_ptr<const SequenceData> dat
 void Engine::ImportSequence(uint64_t id, std::shared_ptr<const SequenceSource> source,
                             ImportDone done) {
   impl_->ImportSequence(id, std::move(source), std::move(done));
+}
+void Engine::BeginImport(uint64_t id, int64_t length, BeginImportDone done) {
+  impl_->BeginImport(id, length, std::move(done));
+}
+void Engine::ImportRows(std::shared_ptr<PendingImport> import, const SequenceSource::Span& span,
+                        std::shared_ptr<const void> holder, std::function<void(absl::Status)> done) {
+  impl_->ImportRows(std::move(import), span, std::move(holder), std::move(done));
+}
+void Engine::EndImport(std::shared_ptr<PendingImport> import, bool commit, ImportDone done) {
+  impl_->EndImport(std::move(import), commit, std::move(done));
 }
 void Engine::ExportSequenceTo(uint64_t id, Tensor destination, ExportToDone done) {
   impl_->ExportSequenceTo(id, std::move(destination), std::move(done));

@@ -152,6 +152,9 @@ struct SequenceSource {
   static std::shared_ptr<const SequenceSource> Of(std::shared_ptr<const SequenceData> data);
 };
 
+// An import being applied as its rows arrive (Engine::BeginImport); opaque to callers.
+class PendingImport;
+
 // Set by the RPC layer when the caller goes away; checked before compute.
 using CancelFlag = std::shared_ptr<std::atomic<bool>>;
 
@@ -261,6 +264,18 @@ class Engine {
   // the regions' leases, is dropped once the import is applied or refused.
   void ImportSequence(uint64_t sequence_id, std::shared_ptr<const SequenceSource> source,
                       ImportDone done);
+  // The same applied as the rows arrive (the service's ImportSequence stream). BeginImport
+  // takes the pool pages of `length` tokens on every layer, for no sequence yet, failing as
+  // ImportSequence does (ALREADY_EXISTS, RESOURCE_EXHAUSTED); each ImportRows copies one span of
+  // rows into them (`holder` keeps the span's memory alive until `done`); EndImport with
+  // `commit` makes them sequence `sequence_id` and answers its length (ALREADY_EXISTS if the id
+  // was taken meanwhile), without it gives the pages back. Every import BeginImport opened
+  // must be ended (nothing else frees its pages); an ended one refuses more calls.
+  using BeginImportDone = std::function<void(absl::StatusOr<std::shared_ptr<PendingImport>>)>;
+  void BeginImport(uint64_t sequence_id, int64_t length, BeginImportDone done);
+  void ImportRows(std::shared_ptr<PendingImport> import, const SequenceSource::Span& span,
+                  std::shared_ptr<const void> holder, std::function<void(absl::Status)> done);
+  void EndImport(std::shared_ptr<PendingImport> import, bool commit, ImportDone done);
   // ExportSequenceTo: the sequence's committed tokens of every layer written into `destination`
   // (a view of a registered region, host or device memory, whose lease is held until `done`
   // has run), layer after layer, K then V, each [length, num_kv_heads, head_dim] as stored and

@@ -363,37 +363,63 @@ absl::StatusOr<int64_t> Tiers::ExportTo(SequenceTable& table, uint64_t id, Tenso
   return length;
 }
 
-absl::StatusOr<int64_t> Tiers::Import(SequenceTable& table, BlockAllocator& allocator, uint64_t id,
-                                      const SequenceSource& source) {
+absl::StatusOr<std::vector<int32_t>> Tiers::Reserve(SequenceTable& table, BlockAllocator& allocator,
+                                                    uint64_t id, int64_t length) {
   if (table.Contains(id)) {
     return absl::AlreadyExistsError(absl::StrCat("sequence ", id, " already exists"));
   }
-  for (const SequenceSource::Span& span : source.spans) {
-    if (span.layer < 0 || span.layer >= options_.num_layers || span.first_token < 0 ||
-        span.num_tokens < 1 || span.num_tokens > source.length - span.first_token) {
-      return absl::InternalError(absl::StrCat("import span of layer ", span.layer, " tokens [",
-                                              span.first_token, ", +", span.num_tokens,
-                                              ") outside the sequence's ", source.length));
-    }
-  }
-  const int64_t page_size = options_.model.page_size;
-  const int64_t num_pages = (source.length + page_size - 1) / page_size;
+  const int64_t num_pages = options_.model.pages_for(length);
   if (num_pages > allocator.num_free()) {
     if (absl::Status s = MakeRoom(table, allocator, num_pages - allocator.num_free(), {});
         !s.ok()) {
       if (!absl::IsResourceExhausted(s)) return s;
-      return absl::ResourceExhaustedError(absl::StrCat("import of ", source.length, " tokens: ", s.message()));
+      return absl::ResourceExhaustedError(absl::StrCat("import of ", length, " tokens needs ", num_pages,
+                                                       " free KV pages, ", allocator.num_free(),
+                                                       " free: ", s.message()));
     }
   }
   std::vector<int32_t> pages;
-  if (absl::Status s = table.Import(id, source.length, &pages); !s.ok()) return s;
-  std::vector<PageRun> runs;
-  for (const SequenceSource::Span& span : source.spans) {
-    AppendTokenRuns(span.layer, pages, span.first_token, span.num_tokens, options_.model, span.k,
-                    span.v, span.on_device, &runs);
+  if (absl::Status s = allocator.Allocate(num_pages, &pages); !s.ok()) return s;
+  return pages;
+}
+
+// Runs for one span of rows into `pages` (the sequence's, in token order); INTERNAL for a span
+// outside them.
+absl::Status Tiers::AppendSpanRuns(absl::Span<const int32_t> pages, const SequenceSource::Span& span,
+                                   std::vector<PageRun>* runs) const {
+  const int64_t tokens = static_cast<int64_t>(pages.size()) * options_.model.page_size;
+  if (span.layer < 0 || span.layer >= options_.num_layers || span.first_token < 0 ||
+      span.num_tokens < 1 || span.num_tokens > tokens - span.first_token) {
+    return absl::InternalError(absl::StrCat("import span of layer ", span.layer, " tokens [",
+                                            span.first_token, ", +", span.num_tokens,
+                                            ") outside the sequence's ", pages.size(), " pages"));
   }
-  if (!runs.empty()) {
-    if (absl::Status s = Failed(backend_->WritePages(runs)); !s.ok()) return s;
+  AppendTokenRuns(span.layer, pages, span.first_token, span.num_tokens, options_.model, span.k,
+                  span.v, span.on_device, runs);
+  return absl::OkStatus();
+}
+
+absl::Status Tiers::WriteRows(absl::Span<const int32_t> pages, const SequenceSource::Span& span) {
+  std::vector<PageRun> runs;
+  if (absl::Status s = AppendSpanRuns(pages, span, &runs); !s.ok()) return s;
+  return Failed(backend_->WritePages(runs));
+}
+
+absl::StatusOr<int64_t> Tiers::Import(SequenceTable& table, BlockAllocator& allocator, uint64_t id,
+                                      const SequenceSource& source) {
+  absl::StatusOr<std::vector<int32_t>> pages = Reserve(table, allocator, id, source.length);
+  if (!pages.ok()) return pages.status();
+  // One batch of copies for every span.
+  std::vector<PageRun> runs;
+  absl::Status s;
+  for (const SequenceSource::Span& span : source.spans) {
+    if (s = AppendSpanRuns(*pages, span, &runs); !s.ok()) break;
+  }
+  if (s.ok() && !runs.empty()) s = Failed(backend_->WritePages(runs));
+  if (s.ok()) s = table.Adopt(id, source.length, *pages);
+  if (!s.ok()) {
+    for (int32_t page : *pages) (void)allocator.Unref(page);
+    return s;
   }
   return source.length;
 }

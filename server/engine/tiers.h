@@ -80,6 +80,13 @@ class Tiers {
   // Import's batch holds nothing else, so no exclusion is needed for room.
   absl::StatusOr<int64_t> Import(SequenceTable& table, BlockAllocator& allocator, uint64_t id,
                                  const SequenceSource& source);
+  // An import in pieces (Engine::BeginImport): the pool pages of `length` tokens, in token order,
+  // taken for no sequence yet (the caller gives them to SequenceTable::Adopt, or back to the
+  // allocator). ALREADY_EXISTS when `id` is in use; RESOURCE_EXHAUSTED as Import.
+  absl::StatusOr<std::vector<int32_t>> Reserve(SequenceTable& table, BlockAllocator& allocator,
+                                               uint64_t id, int64_t length);
+  // Copies one span of an import's rows into its pages (INTERNAL for a span outside them).
+  absl::Status WriteRows(absl::Span<const int32_t> pages, const SequenceSource::Span& span);
 
  private:
   Tiers(const Options& options, Backend* backend, Metrics* metrics, char* host_memory,
@@ -95,6 +102,8 @@ class Tiers {
   // The runs of `moves` (sorted by device page, merged where both sides are consecutive) for
   // every layer, pointing into the host tier.
   std::vector<PageRun> HostRuns(std::vector<SequenceTable::PageMove> moves) const;
+  absl::Status AppendSpanRuns(absl::Span<const int32_t> pages, const SequenceSource::Span& span,
+                              std::vector<PageRun>* runs) const;
   char* HostK(int32_t layer, int32_t host_page) const;
   char* HostV(int32_t layer, int32_t host_page) const;
   absl::Status Failed(absl::Status s);

@@ -213,21 +213,17 @@ absl::StatusOr<SequenceTable::StepResult> SequenceTable::ApplyStep(uint64_t id, 
   return result;
 }
 
-absl::Status SequenceTable::Import(uint64_t id, int64_t length, std::vector<int32_t>* pages) {
+absl::Status SequenceTable::Adopt(uint64_t id, int64_t length, std::vector<int32_t> pages) {
   if (sequences_.contains(id)) {
     return absl::AlreadyExistsError(absl::StrCat("sequence ", id, " already exists"));
   }
-  const int64_t needed = PagesFor(length);
-  if (needed > allocator_->num_free()) {
-    return absl::ResourceExhaustedError(absl::StrCat("import of ", length, " tokens needs ", needed,
-                                                     " free KV pages, ", allocator_->num_free(),
-                                                     " free"));
+  if (static_cast<int64_t>(pages.size()) != PagesFor(length)) {
+    return absl::InternalError(absl::StrCat(pages.size(), " pages for a sequence of ", length, " tokens"));
   }
   Sequence seq;
-  if (absl::Status s = allocator_->Allocate(needed, &seq.pages); !s.ok()) return s;
+  seq.pages = std::move(pages);
   seq.length = length;
   seq.last_used = ++use_clock_;
-  pages->insert(pages->end(), seq.pages.begin(), seq.pages.end());
   total_tokens_ += length;
   sequences_.emplace(id, std::move(seq));
   return absl::OkStatus();

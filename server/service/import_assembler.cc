@@ -1,7 +1,8 @@
 #include "server/service/import_assembler.h"
 
-#include <cstring>
+#include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -34,8 +35,8 @@ absl::Status ImportAssembler::CheckPages(const v1::ImportSequenceChunk& chunk) c
   return absl::OkStatus();
 }
 
-absl::Status ImportAssembler::Add(const v1::ImportSequenceChunk& chunk) {
-  if (source_ == nullptr) {
+absl::StatusOr<ImportAssembler::Rows> ImportAssembler::Add(const v1::ImportSequenceChunk& chunk) {
+  if (!started_) {
     if (!chunk.has_sequence_id() || !chunk.has_length()) {
       return absl::InvalidArgumentError("the first chunk must carry sequence_id and length");
     }
@@ -48,28 +49,30 @@ absl::Status ImportAssembler::Add(const v1::ImportSequenceChunk& chunk) {
           "length ", chunk.length(), " is above the pool's capacity of ", capacity, " tokens"));
     }
     if (absl::Status s = CheckPages(chunk); !s.ok()) return s;
-    auto source = std::make_shared<SequenceSource>();
-    source->length = chunk.length();
-    source->num_layers = config_.num_layers;
-    source_ = std::move(source);
+    started_ = true;
+    length_ = chunk.length();
     sequence_id_ = chunk.sequence_id();
   } else {
     if (chunk.has_sequence_id() && chunk.sequence_id() != sequence_id_) {
       return absl::InvalidArgumentError(absl::StrCat("sequence_id changed from ", sequence_id_,
                                                      " to ", chunk.sequence_id()));
     }
-    if (chunk.has_length() && chunk.length() != source_->length) {
+    if (chunk.has_length() && chunk.length() != length_) {
       return absl::InvalidArgumentError(
-          absl::StrCat("length changed from ", source_->length, " to ", chunk.length()));
+          absl::StrCat("length changed from ", length_, " to ", chunk.length()));
     }
   }
-  const int64_t length = source_->length;
+  const int64_t length = length_;
   if (length == 0) {
     if (chunk.num_tokens() != 0 || !chunk.k().empty() || !chunk.v().empty() ||
         chunk.has_k_ref() || chunk.has_v_ref() || chunk.layer() != 0 || chunk.first_token() != 0) {
       return absl::InvalidArgumentError("a sequence of length 0 is one chunk without tokens");
     }
-    return absl::OkStatus();
+    if (next_token_ > 0 || layer_ > 0) {
+      return absl::InvalidArgumentError("a chunk after every layer's tokens came");
+    }
+    layer_ = config_.num_layers;  // a second empty chunk is refused above
+    return Rows{};
   }
   if (chunk.num_tokens() < 1) {
     return absl::InvalidArgumentError(absl::StrCat("num_tokens must be >= 1, got ", chunk.num_tokens()));
@@ -99,14 +102,15 @@ absl::Status ImportAssembler::Add(const v1::ImportSequenceChunk& chunk) {
     return absl::InvalidArgumentError(absl::StrCat("chunk of layer ", layer, " tokens [", first, ", ",
                                                    first + chunk.num_tokens(), ") past length ", length));
   }
-  if (absl::Status s = TakeRows(chunk, layer, first); !s.ok()) return s;
+  absl::StatusOr<Rows> rows = TakeRows(chunk, layer, first);
+  if (!rows.ok()) return rows.status();
   layer_ = layer;
   next_token_ = first + chunk.num_tokens();
-  return absl::OkStatus();
+  return rows;
 }
 
-absl::Status ImportAssembler::TakeRows(const v1::ImportSequenceChunk& chunk, int32_t layer,
-                                       int64_t first) {
+absl::StatusOr<ImportAssembler::Rows> ImportAssembler::TakeRows(const v1::ImportSequenceChunk& chunk,
+                                                                int32_t layer, int64_t first) const {
   const kernels::Shape model = config_.shape();
   const int64_t row_bytes = model.kv_token_bytes();
   const int64_t n = chunk.num_tokens();
@@ -137,16 +141,11 @@ absl::Status ImportAssembler::TakeRows(const v1::ImportSequenceChunk& chunk, int
     if (resolved[0].view.kind != resolved[1].view.kind) {
       return absl::InvalidArgumentError("k_ref and v_ref must lie in regions of one kind (system or cuda)");
     }
-    for (ResolvedTensor& r : resolved) {
-      std::shared_ptr<const void> holder = r.lease.shared();
-      if (source_->holders.empty() || source_->holders.back() != holder) {
-        source_->holders.push_back(std::move(holder));
-      }
-    }
-    source_->spans.push_back({layer, first, n, resolved[0].view.data, resolved[1].view.data,
-                              resolved[0].view.kind == MemoryKind::kDevice});
-    last_span_inline_ = false;
-    return absl::OkStatus();
+    auto leases = std::make_shared<std::pair<std::shared_ptr<const void>, std::shared_ptr<const void>>>(
+        resolved[0].lease.shared(), resolved[1].lease.shared());
+    return Rows{{layer, first, n, resolved[0].view.data, resolved[1].view.data,
+                 resolved[0].view.kind == MemoryKind::kDevice},
+                std::move(leases)};
   }
   if (static_cast<int64_t>(chunk.k().size()) != bytes ||
       static_cast<int64_t>(chunk.v().size()) != bytes) {
@@ -154,31 +153,12 @@ absl::Status ImportAssembler::TakeRows(const v1::ImportSequenceChunk& chunk, int
                                                    " tokens), got ", chunk.k().size(), " and ",
                                                    chunk.v().size()));
   }
-  if (copy_ == nullptr) {
-    auto copy = std::make_shared<SequenceData>();
-    if (absl::Status s = copy->Allocate(config_.num_layers, source_->length, model); !s.ok()) {
-      return s;
-    }
-    copy_ = std::move(copy);
-    source_->holders.push_back(copy_);
-  }
-  char* const k = copy_->k(layer) + first * row_bytes;
-  char* const v = copy_->v(layer) + first * row_bytes;
-  std::memcpy(k, chunk.k().data(), bytes);
-  std::memcpy(v, chunk.v().data(), bytes);
-  SequenceSource::Span* last = source_->spans.empty() ? nullptr : &source_->spans.back();
-  if (last_span_inline_ && last->layer == layer && last->first_token + last->num_tokens == first) {
-    last->num_tokens += n;  // one span (and one copy per page run) for consecutive inline chunks
-  } else {
-    source_->spans.push_back({layer, first, n, k, v, false});
-  }
-  last_span_inline_ = true;
-  return absl::OkStatus();
+  return Rows{{layer, first, n, chunk.k().data(), chunk.v().data(), false}, nullptr};
 }
 
-absl::StatusOr<std::shared_ptr<const SequenceSource>> ImportAssembler::Finish() {
-  if (source_ == nullptr) return absl::InvalidArgumentError("the import stream carried no chunk");
-  const int64_t length = source_->length;
+absl::Status ImportAssembler::Finish() const {
+  if (!started_) return absl::InvalidArgumentError("the import stream carried no chunk");
+  const int64_t length = length_;
   if (length > 0 && (layer_ != config_.num_layers - 1 || next_token_ != length)) {
     const bool layer_done = next_token_ == length;
     return absl::InvalidArgumentError(absl::StrCat(
@@ -186,9 +166,7 @@ absl::StatusOr<std::shared_ptr<const SequenceSource>> ImportAssembler::Finish() 
         layer_done ? 0 : next_token_, " of ", length, " tokens x ", config_.num_layers,
         " layers was next"));
   }
-  // The source (and the leases in it) belongs to the import from here on.
-  copy_.reset();
-  return std::shared_ptr<const SequenceSource>(std::move(source_));
+  return absl::OkStatus();
 }
 
 }  // namespace pagedattn

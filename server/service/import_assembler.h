@@ -14,11 +14,10 @@
 // pool's capacity (num_pages * page_size tokens) is RESOURCE_EXHAUSTED. Finish:
 // INVALID_ARGUMENT when tokens are missing.
 //
-// Inline rows are copied into a host copy of the sequence, allocated at the first inline chunk
-// (uninitialized: untouched memory is not committed); referenced rows stay where they are, their
-// regions leased by the source until it is dropped (after the engine applied or refused it), so
-// they are read when the import is applied. Not thread-safe (one stream's reads come one at a
-// time).
+// Each chunk's rows are handed out as they come (Add): inline ones as a view of the chunk's own
+// bytes (valid while the chunk message is), referenced ones as a view of their region with its
+// leases, so that the import copies them into its pages chunk by chunk. Not thread-safe (one
+// stream's reads come one at a time).
 #pragma once
 
 #include <cstdint>
@@ -34,30 +33,35 @@ namespace pagedattn {
 
 class ImportAssembler {
  public:
+  // One chunk's rows: span.num_tokens == 0 for the one chunk of a sequence of length 0.
+  struct Rows {
+    SequenceSource::Span span;
+    std::shared_ptr<const void> holder;  // the regions' leases of referenced rows (else null)
+  };
+
   // `regions` (nullable: then every reference is NOT_FOUND) outlives the assembler.
   ImportAssembler(const ModelConfig& config, const MemoryRegistry* regions)
       : config_(config), regions_(regions) {}
 
-  // Checks and takes one chunk; on error the assembler must not be used again.
-  absl::Status Add(const v1::ImportSequenceChunk& chunk);
-  bool started() const { return source_ != nullptr; }
+  // Checks one chunk and returns its rows; on error the assembler must not be used again.
+  absl::StatusOr<Rows> Add(const v1::ImportSequenceChunk& chunk);
+  bool started() const { return started_; }
   uint64_t sequence_id() const { return sequence_id_; }
-  // The assembled rows, once every token of every layer came (handed over: the assembler keeps
-  // no reference to them, nor to the regions they lease).
-  absl::StatusOr<std::shared_ptr<const SequenceSource>> Finish();
+  int64_t length() const { return length_; }
+  // OK once every token of every layer came; INVALID_ARGUMENT naming the first one missing.
+  absl::Status Finish() const;
 
  private:
   // The first chunk's page type and fp8 scales, when given, are this server's.
   absl::Status CheckPages(const v1::ImportSequenceChunk& chunk) const;
-  // The chunk's rows as a span (resolving references, copying inline bytes), once its place
-  // in the stream is checked.
-  absl::Status TakeRows(const v1::ImportSequenceChunk& chunk, int32_t layer, int64_t first);
+  // The chunk's rows (resolving references), once its place in the stream is checked.
+  absl::StatusOr<Rows> TakeRows(const v1::ImportSequenceChunk& chunk, int32_t layer,
+                                int64_t first) const;
   const ModelConfig config_;
   const MemoryRegistry* const regions_;
-  std::shared_ptr<SequenceSource> source_;
-  std::shared_ptr<SequenceData> copy_;  // inline rows (null until an inline chunk came)
-  bool last_span_inline_ = false;       // source_'s last span points into copy_
+  bool started_ = false;
   uint64_t sequence_id_ = 0;
+  int64_t length_ = 0;
   int32_t layer_ = 0;        // the layer being filled
   int64_t next_token_ = 0;   // its next token
 };

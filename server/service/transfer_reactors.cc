@@ -173,39 +173,87 @@ ImportReactor::ImportReactor(grpc::CallbackServerContext* context, Engine* engin
 }
 
 void ImportReactor::OnReadDone(bool ok) {
-  absl::Status refused;
-  absl::StatusOr<std::shared_ptr<const SequenceSource>> data;
-  uint64_t id = 0;
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!ok) {
+    // The client half-closed, or the call was cancelled (then nothing is kept).
+    const bool cancelled = context_->IsCancelled();
+    const absl::Status status = cancelled ? absl::CancelledError("the import stream was cancelled")
+                                          : assembler_.Finish();
+    lock.unlock();
+    End(status.ok(), status);
+    return;
+  }
+  const bool first = !assembler_.started();
+  absl::StatusOr<ImportAssembler::Rows> rows = assembler_.Add(chunk_);
+  if (!rows.ok()) {
+    lock.unlock();
+    End(false, rows.status());
+    return;
+  }
+  if (!first) {
+    lock.unlock();
+    Write(*std::move(rows));
+    return;
+  }
+  // The first chunk: the pages of the whole sequence are taken before its rows are copied.
+  const uint64_t id = assembler_.sequence_id();
+  const int64_t length = assembler_.length();
+  lock.unlock();
+  if (engine_->HasSequence(id)) {
+    FinishWith(absl::AlreadyExistsError(absl::StrCat("sequence ", id, " already exists")));
+    return;
+  }
+  engine_->BeginImport(id, length, [this, rows = *std::move(rows)](
+                                       absl::StatusOr<std::shared_ptr<PendingImport>> import) mutable {
+    if (!import.ok()) {
+      FinishWith(import.status());
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      import_ = *std::move(import);
+    }
+    Write(std::move(rows));
+  });
+}
+
+void ImportReactor::Write(ImportAssembler::Rows rows) {
+  std::shared_ptr<PendingImport> import;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!ok) {
-      // The client half-closed, or the call was cancelled (then nothing is applied).
-      if (context_->IsCancelled()) {
-        refused = absl::CancelledError("the import stream was cancelled");
-      } else {
-        data = assembler_.Finish();
-        id = assembler_.sequence_id();
-        if (!data.ok()) refused = data.status();
-      }
-    } else {
-      const bool first = !assembler_.started();
-      refused = assembler_.Add(chunk_);
-      if (refused.ok() && first && engine_->HasSequence(assembler_.sequence_id())) {
-        refused = absl::AlreadyExistsError(
-            absl::StrCat("sequence ", assembler_.sequence_id(), " already exists"));
-      }
-    }
+    import = import_;
   }
-  if (!refused.ok()) {
-    FinishWith(refused);
-  } else if (ok) {
+  if (rows.span.num_tokens == 0) {
     StartRead(&chunk_);
-  } else {
-    engine_->ImportSequence(id, *std::move(data), [this](absl::StatusOr<int64_t> length) {
-      if (length.ok()) response_->set_length(*length);
-      FinishWith(length.status());
-    });
+    return;
   }
+  engine_->ImportRows(std::move(import), rows.span, std::move(rows.holder), [this](absl::Status s) {
+    if (s.ok()) {
+      StartRead(&chunk_);
+    } else {
+      End(false, s);
+    }
+  });
+}
+
+void ImportReactor::End(bool commit, const absl::Status& status) {
+  std::shared_ptr<PendingImport> import;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    import = std::move(import_);
+  }
+  if (import == nullptr) {
+    FinishWith(status);
+    return;
+  }
+  engine_->EndImport(std::move(import), commit, [this, commit, status](absl::StatusOr<int64_t> length) {
+    if (!commit) {
+      FinishWith(status);
+      return;
+    }
+    if (length.ok()) response_->set_length(*length);
+    FinishWith(length.status());
+  });
 }
 
 void ImportReactor::FinishWith(const absl::Status& status) {

@@ -5,10 +5,13 @@
 // with a destination region it has the engine write the rows there (Engine::ExportSequenceTo,
 // the region's lease held by the engine's work until written) and sends one chunk per layer
 // naming them (k_ref, v_ref). ImportReactor checks each chunk as it is read (ImportAssembler:
-// inline rows copied, referenced rows resolved and leased), refuses an id in use at the first
-// chunk, and once the client half-closes hands the rows to Engine::ImportSequence. An error, a cancel or a client that goes away
-// finishes the call; nothing reaches the engine before the whole stream arrived, so nothing is
-// left behind.
+// referenced rows resolved and leased), refuses an id in use at the first chunk, where it also
+// has the engine take the sequence's pages (Engine::BeginImport), and copies each chunk's rows
+// into them (Engine::ImportRows) before it reads the next, so that no copy of the whole
+// sequence is made in host memory and no engine task holds up the steps for longer than a
+// chunk's copy. Once the client half-closes, the pages become the sequence (EndImport). An
+// error, a cancel or a client that goes away gives the pages back before the call finishes, so
+// nothing is left behind.
 //
 // Threading: reactions come on gRPC threads and the engine's callback on its own; the state
 // they share is under mu_ (so that a race detector sees the hand-offs gRPC makes inside its
@@ -89,6 +92,12 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::ImportSequenceChu
   void OnDone() override;
 
  private:
+  // Copies a chunk's rows into the import's pages, then reads the next chunk.
+  void Write(ImportAssembler::Rows rows);
+  // Ends the engine's import (committing it when `commit`), then finishes the call: with the
+  // committed length, or with `status` (the pages given back first, so that a client told of
+  // an error finds nothing left of the import).
+  void End(bool commit, const absl::Status& status);
   void FinishWith(const absl::Status& status);
 
   grpc::CallbackServerContext* const context_;
@@ -97,9 +106,12 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::ImportSequenceChu
   Metrics* const metrics_;
   CallCounter* const calls_;
   const absl::Time start_;
+  // One operation at a time is outstanding (a read, or an engine call on the last chunk read),
+  // and each hands over to the next; mu_ orders the fields below between those threads.
   std::mutex mu_;
-  ImportAssembler assembler_;  // guarded by mu_, as is chunk_
-  v1::ImportSequenceChunk chunk_;
+  ImportAssembler assembler_;
+  std::shared_ptr<PendingImport> import_;  // from the engine's BeginImport until End
+  v1::ImportSequenceChunk chunk_;          // the last chunk read (inline rows point into it)
 };
 
 }  // namespace pagedattn
