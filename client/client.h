@@ -121,8 +121,8 @@ class Client {
   // KV beyond one pool. ExportSequence: every chunk of the sequence (layer by layer, at most
   // 2 MiB of k and v each), in order; the first names the pages' type and fp8 scales. With a
   // `destination` (a region registered on this client's server, see the proto's
-  // ExportSequenceRequest.destination) the rows are written there and the chunks (one per
-  // layer) carry k_ref/v_ref instead of bytes. ImportSequence: streams `chunks` (e.g. another
+  // ExportSequenceRequest.destination) the rows are written there and the chunks (at most
+  // 8 MiB of k and v each) carry k_ref/v_ref instead of bytes. ImportSequence: streams `chunks` (e.g. another
   // server's export; sequence_id and length are set on the first from `sequence_id` and the
   // chunks' own length; a chunk's k_ref/v_ref are passed as they are, so they must name a
   // region registered on this server: the same memory under the same name) and returns the

@@ -84,7 +84,8 @@ class Engine::Impl {
   void ImportRows(std::shared_ptr<PendingImport> import, const SequenceSource::Span& span,
                   std::shared_ptr<const void> holder, std::function<void(absl::Status)> done);
   void EndImport(std::shared_ptr<PendingImport> import, bool commit, ImportDone done);
-  void ExportSequenceTo(uint64_t id, Tensor destination, ExportToDone done);
+  void ExportSequenceTo(uint64_t id, Tensor destination, ExportToDone done, int64_t piece_bytes,
+                        ExportPiece on_piece);
   void OffloadSequence(uint64_t id, StatusDone done);
   bool HasSequence(uint64_t id) const {
     std::lock_guard<std::mutex> lock(state_mu_);
@@ -363,12 +364,13 @@ void Engine::Impl::EndImport(std::shared_ptr<PendingImport> import, bool commit,
       });
 }
 
-void Engine::Impl::ExportSequenceTo(uint64_t id, Tensor destination, ExportToDone done) {
+void Engine::Impl::ExportSequenceTo(uint64_t id, Tensor destination, ExportToDone done,
+                                    int64_t piece_bytes, ExportPiece on_piece) {
   auto length = std::make_shared<int64_t>(0);
   auto dest = std::make_shared<Tensor>(std::move(destination));
   admission_->Task(
-      [this, id, dest, length]() -> absl::Status {
-        absl::StatusOr<int64_t> n = tiers_->ExportTo(*table_, id, *dest);
+      [this, id, dest, length, piece_bytes, on_piece = std::move(on_piece)]() -> absl::Status {
+        absl::StatusOr<int64_t> n = tiers_->ExportTo(*table_, id, *dest, piece_bytes, on_piece);
         if (!n.ok()) return n.status();
         *length = *n;
         return absl::OkStatus();
@@ -508,8 +510,10 @@ void Engine::ImportRows(std::shared_ptr<PendingImport> import, const SequenceSou
 void Engine::EndImport(std::shared_ptr<PendingImport> import, bool commit, ImportDone done) {
   impl_->EndImport(std::move(import), commit, std::move(done));
 }
-void Engine::ExportSequenceTo(uint64_t id, Tensor destination, ExportToDone done) {
-  impl_->ExportSequenceTo(id, std::move(destination), std::move(done));
+void Engine::ExportSequenceTo(uint64_t id, Tensor destination, ExportToDone done,
+                              int64_t piece_bytes, ExportPiece on_piece) {
+  impl_->ExportSequenceTo(id, std::move(destination), std::move(done), piece_bytes,
+                          std::move(on_piece));
 }
 void Engine::OffloadSequence(uint64_t id, StatusDone done) {
   impl_->OffloadSequence(id, std::move(done));

@@ -282,8 +282,15 @@ class Engine {
   // packed (no page padding). The committed length on success. INVALID_ARGUMENT (nothing
   // written) when destination holds fewer than 2 * num_layers * length rows; NOT_FOUND,
   // FAILED_PRECONDITION (mid-step) as ExportSequence.
+  // With `piece_bytes` > 0, the rows are copied in pieces of at most that many bytes of K and V
+  // (a layer's tokens in order, layer after layer), and `on_piece` runs on the engine's thread as
+  // each piece is in place, before the next is copied (it must not call the engine): so that a
+  // reader can take the first rows while the rest are copied.
   using ExportToDone = std::function<void(absl::StatusOr<int64_t>)>;
-  void ExportSequenceTo(uint64_t sequence_id, Tensor destination, ExportToDone done);
+  using ExportPiece =
+      std::function<void(int64_t length, int32_t layer, int64_t first_token, int64_t num_tokens)>;
+  void ExportSequenceTo(uint64_t sequence_id, Tensor destination, ExportToDone done,
+                        int64_t piece_bytes = 0, ExportPiece on_piece = nullptr);
   // OffloadSequence: moves an idle sequence to the host tier (OK when it is there already).
   // FAILED_PRECONDITION (no host tier, or mid-step), NOT_FOUND, RESOURCE_EXHAUSTED (host full).
   using StatusDone = std::function<void(absl::Status)>;

@@ -319,7 +319,8 @@ absl::StatusOr<std::shared_ptr<const SequenceData>> Tiers::Export(SequenceTable&
   return data;
 }
 
-absl::StatusOr<int64_t> Tiers::ExportTo(SequenceTable& table, uint64_t id, Tensor& destination) {
+absl::StatusOr<int64_t> Tiers::ExportTo(SequenceTable& table, uint64_t id, Tensor& destination,
+                                        int64_t piece_bytes, const ExportPiece& on_piece) {
   absl::StatusOr<SequenceTable::View> view = table.Get(id);
   if (!view.ok()) return view.status();
   if (absl::Status s = BetweenSteps(*view, id); !s.ok()) return s;
@@ -337,29 +338,44 @@ absl::StatusOr<int64_t> Tiers::ExportTo(SequenceTable& table, uint64_t id, Tenso
   if (length == 0) return length;
   char* const base = destination.mutable_data();
   const auto pages = view->pages.subspan(0, (length + page_size - 1) / page_size);
-  if (view->offloaded) {
-    std::vector<MemoryCopy> copies;
-    for (int32_t layer = 0; layer < options_.num_layers; ++layer) {
-      char* const k_rows = base + 2 * int64_t{layer} * layer_bytes;
-      char* const v_rows = k_rows + layer_bytes;
-      // One copy per stretch of consecutive host pages; the last one stops at the last row.
-      ForEachStretch(pages, [&](size_t i, size_t j) {
-        const int64_t at = static_cast<int64_t>(i) * page_bytes;
-        const int64_t bytes = std::min(static_cast<int64_t>(j - i) * page_bytes, layer_bytes - at);
-        copies.push_back({k_rows + at, HostK(layer, pages[i]), bytes, destination.on_device()});
-        copies.push_back({v_rows + at, HostV(layer, pages[i]), bytes, destination.on_device()});
-      });
-    }
-    if (absl::Status s = Failed(backend_->CopyFromHost(copies)); !s.ok()) return s;
-    return length;
-  }
-  std::vector<PageRun> runs;
+  // Tokens per piece: whole pages, at least one; without pieces, one backend call for all.
+  const bool in_pieces = piece_bytes > 0 && on_piece;
+  const int64_t piece_tokens =
+      in_pieces ? std::max<int64_t>(1, piece_bytes / (2 * page_bytes)) * page_size : length;
+  std::vector<MemoryCopy> copies;  // from the host tier, when offloaded
+  std::vector<PageRun> runs;       // from the pool
+  const auto copy = [&]() -> absl::Status {
+    absl::Status s = view->offloaded ? backend_->CopyFromHost(copies) : backend_->ReadPages(runs);
+    copies.clear();
+    runs.clear();
+    return Failed(s);
+  };
   for (int32_t layer = 0; layer < options_.num_layers; ++layer) {
-    const char* const k_rows = base + 2 * int64_t{layer} * layer_bytes;
-    AppendTokenRuns(layer, pages, 0, length, options_.model, k_rows, k_rows + layer_bytes,
-                    destination.on_device(), &runs);
+    char* const k_rows = base + 2 * int64_t{layer} * layer_bytes;
+    char* const v_rows = k_rows + layer_bytes;
+    for (int64_t first = 0; first < length; first += piece_tokens) {
+      const int64_t n = std::min(piece_tokens, length - first);
+      if (view->offloaded) {
+        // One copy per stretch of consecutive host pages; the last one stops at the last row.
+        const auto piece = pages.subspan(first / page_size, (n + page_size - 1) / page_size);
+        ForEachStretch(piece, [&](size_t i, size_t j) {
+          const int64_t at = first * row_bytes + static_cast<int64_t>(i) * page_bytes;
+          const int64_t bytes = std::min(static_cast<int64_t>(j - i) * page_bytes, layer_bytes - at);
+          copies.push_back({k_rows + at, HostK(layer, piece[i]), bytes, destination.on_device()});
+          copies.push_back({v_rows + at, HostV(layer, piece[i]), bytes, destination.on_device()});
+        });
+      } else {
+        AppendTokenRuns(layer, pages, first, n, options_.model, k_rows + first * row_bytes,
+                        v_rows + first * row_bytes, destination.on_device(), &runs);
+      }
+      if (!in_pieces) continue;
+      if (absl::Status s = copy(); !s.ok()) return s;
+      on_piece(length, layer, first, n);
+    }
   }
-  if (absl::Status s = Failed(backend_->ReadPages(runs)); !s.ok()) return s;
+  if (!in_pieces) {
+    if (absl::Status s = copy(); !s.ok()) return s;
+  }
   return length;
 }
 

@@ -75,8 +75,12 @@ class Tiers {
   // allocated.
   absl::StatusOr<std::shared_ptr<const SequenceData>> Export(SequenceTable& table, uint64_t id,
                                                              std::shared_ptr<SequenceData> buffer);
-  // Engine::ExportSequenceTo: the committed length, once written into `destination`.
-  absl::StatusOr<int64_t> ExportTo(SequenceTable& table, uint64_t id, Tensor& destination);
+  // Engine::ExportSequenceTo: the committed length, once written into `destination` (in pieces
+  // of at most `piece_bytes` of K and V when > 0, `on_piece` told of each as it is in place).
+  using ExportPiece =
+      std::function<void(int64_t length, int32_t layer, int64_t first_token, int64_t num_tokens)>;
+  absl::StatusOr<int64_t> ExportTo(SequenceTable& table, uint64_t id, Tensor& destination,
+                                   int64_t piece_bytes = 0, const ExportPiece& on_piece = nullptr);
   // Import's batch holds nothing else, so no exclusion is needed for room.
   absl::StatusOr<int64_t> Import(SequenceTable& table, BlockAllocator& allocator, uint64_t id,
                                  const SequenceSource& source);

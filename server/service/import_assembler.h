@@ -1,5 +1,5 @@
-// ImportAssembler: the edge's check of an ImportSequence stream, chunk by chunk, and the
-// sequence copy it assembles for the engine (Engine::ImportSequence).
+// ImportAssembler: the edge's check of an ImportSequence stream, chunk by chunk, and each chunk's
+// rows for the engine to copy into the new sequence's pages (Engine::ImportRows).
 //
 // Rules (each broken one INVALID_ARGUMENT, naming what is wrong): the first chunk carries
 // sequence_id and length (0 <= length); a later chunk that carries either carries the same

@@ -44,57 +44,96 @@ ExportReactor::ExportReactor(Engine* engine, const v1::ExportSequenceRequest& re
   engine->ExportSequenceTo(
       sequence_id_,
       Tensor::View(view.data, view.bytes, view.kind == MemoryKind::kDevice, std::move(resolved->lease)),
-      [this](absl::StatusOr<int64_t> length) { OnWritten(std::move(length)); });
+      [this](absl::StatusOr<int64_t> length) { OnWritten(std::move(length)); }, kExportRefChunkBytes,
+      [this](int64_t length, int32_t layer, int64_t first, int64_t n) { OnPiece(length, layer, first, n); });
+}
+
+void ExportReactor::OnPiece(int64_t length, int32_t layer, int64_t first_token, int64_t num_tokens) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    length_ = length;
+    ready_layer_ = layer;
+    ready_token_ = first_token + num_tokens;
+  }
+  Pump();
 }
 
 void ExportReactor::OnWritten(absl::StatusOr<int64_t> length) {
-  if (!length.ok()) {
-    FinishWith(length.status());
-    return;
-  }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    length_ = *length;
+    engine_done_ = true;
+    if (!length.ok()) {
+      if (failed_.ok()) failed_ = length.status();
+    } else {
+      length_ = *length;
+      ready_layer_ = config_.num_layers;  // every row is in place
+    }
   }
-  WriteNext();
+  Pump();
 }
 
 void ExportReactor::OnData(absl::StatusOr<std::shared_ptr<const SequenceData>> data) {
-  if (!data.ok()) {
-    FinishWith(data.status());
-    return;
-  }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    data_ = *std::move(data);
-    length_ = data_->length;
+    engine_done_ = true;
+    if (!data.ok()) {
+      failed_ = data.status();
+    } else {
+      data_ = *std::move(data);
+      length_ = data_->length;
+      ready_layer_ = config_.num_layers;
+    }
   }
-  WriteNext();
+  Pump();
 }
 
 void ExportReactor::OnWriteDone(bool ok) {
-  if (!ok) {
-    FinishWith(absl::CancelledError("the client went away during the export"));
-    return;
-  }
-  WriteNext();
-}
-
-void ExportReactor::WriteNext() {
-  bool more;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    more = NextChunkLocked();
+    writing_ = false;
+    if (!ok && failed_.ok()) failed_ = absl::CancelledError("the client went away during the export");
   }
-  if (more) {
-    StartWrite(&chunk_);
-  } else {
-    FinishWith(absl::OkStatus());
+  Pump();
+}
+
+void ExportReactor::Pump() {
+  bool write = false;
+  bool finish = false;
+  absl::Status status;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_ || writing_) return;
+    if (failed_.ok() && NextChunkLocked()) {
+      writing_ = write = true;
+    } else if (engine_done_) {
+      // Only once the engine no longer writes into the destination nor calls back.
+      finished_ = finish = true;
+      status = failed_;
+    }
   }
+  if (write) StartWrite(&chunk_);
+  if (finish) FinishWith(status);
 }
 
 bool ExportReactor::NextChunkLocked() {
   const int64_t length = length_;
+  int64_t n = 0;  // the chunk's tokens
+  if (length == 0) {
+    if (empty_written_ || !engine_done_) return false;
+    empty_written_ = true;
+  } else {
+    if (next_token_ == length) {
+      ++layer_;
+      next_token_ = 0;
+    }
+    if (layer_ >= config_.num_layers) return false;
+    // The rows of this layer in place so far.
+    const int64_t ready = layer_ < ready_layer_ ? length : layer_ == ready_layer_ ? ready_token_ : 0;
+    if (ready <= next_token_) return false;
+    const int64_t row = config_.shape().kv_token_bytes();
+    const int64_t per_chunk = std::max<int64_t>(1, (by_ref_ ? kExportRefChunkBytes : kExportChunkBytes) / (2 * row));
+    n = std::min<int64_t>(per_chunk, ready - next_token_);
+  }
   chunk_.Clear();
   chunk_.set_sequence_id(sequence_id_);
   chunk_.set_length(length);
@@ -109,20 +148,8 @@ bool ExportReactor::NextChunkLocked() {
       }
     }
   }
-  if (length == 0) {
-    if (empty_written_) return false;
-    empty_written_ = true;
-    return true;
-  }
-  if (next_token_ == length) {
-    ++layer_;
-    next_token_ = 0;
-  }
-  if (layer_ >= config_.num_layers) return false;
+  if (length == 0) return true;
   const int64_t row = config_.shape().kv_token_bytes();
-  const int64_t per_chunk =
-      by_ref_ ? kExportRefChunkTokens : std::max<int64_t>(1, kExportChunkBytes / (2 * row));
-  const int64_t n = std::min<int64_t>(per_chunk, length - next_token_);
   chunk_.set_layer(layer_);
   chunk_.set_first_token(next_token_);
   chunk_.set_num_tokens(static_cast<int32_t>(n));

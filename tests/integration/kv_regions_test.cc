@@ -370,6 +370,39 @@ TEST_F(KvRegionsTest, EveryBadReferenceChangesNothing) {
   ExpectUnchanged();
 }
 
+// A long export into a region comes as chunks of at most 8 MiB of K and V each, sent as each
+// piece is in place (an importer reading the region can copy one while the next is written),
+// and those chunks import bitwise.
+TEST_F(KvRegionsTest, ALongExportIntoARegionComesInPieces) {
+  StartServer({"--num_pages=256"});
+  constexpr int64_t kTokens = 5000;             // 10 MB of K and V
+  constexpr int64_t kPieceTokens = (8 << 20) / (2 * kRow);  // 4096
+  Prefill(1, kTokens);
+  auto inline_chunks = client_->ExportSequence(1);
+  ASSERT_TRUE(inline_chunks.ok()) << inline_chunks.status();
+  client::SharedMemoryRegion shm = Share("kv", 12 << 20, {client_.get()});
+  auto chunks = client_->ExportSequence(1, client::MakeTensorRef("kv", 0, shm.size()));
+  ASSERT_TRUE(chunks.ok()) << chunks.status();
+  ASSERT_EQ(chunks->size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    const v1::ExportSequenceChunk& c = (*chunks)[i];
+    const int64_t first = i == 0 ? 0 : kPieceTokens;
+    const int64_t n = i == 0 ? kPieceTokens : kTokens - kPieceTokens;
+    EXPECT_EQ(c.layer(), 0);
+    EXPECT_EQ(c.first_token(), first);
+    EXPECT_EQ(c.num_tokens(), n);
+    EXPECT_EQ(c.k_ref().offset(), static_cast<uint64_t>(first * kRow));
+    EXPECT_EQ(c.k_ref().byte_size(), static_cast<uint64_t>(n * kRow));
+    EXPECT_EQ(c.v_ref().offset(), static_cast<uint64_t>((kTokens + first) * kRow));
+    EXPECT_EQ(c.v_ref().byte_size(), static_cast<uint64_t>(n * kRow));
+  }
+  EXPECT_EQ(Bytes(shm, 0, 2 * kTokens * kRow), RegionLayout(*inline_chunks, 1));
+  ASSERT_TRUE(client_->ImportSequence(2, *chunks).ok());
+  auto again = client_->ExportSequence(2);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(Rows(*again), Rows(*inline_chunks));
+}
+
 // An import copies each chunk's rows into its pages as the chunk arrives and holds the chunk's
 // regions only for that copy: once UnregisterMemory returned, the region's bytes may change and
 // the import, finished later, still holds the rows the chunk named.

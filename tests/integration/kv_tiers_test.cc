@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client/loadgen/server_metrics.h"
 #include "tests/integration/integration_test.h"
 
 namespace pagedattn::testing {
@@ -220,6 +221,19 @@ TEST_F(BadImportTest, CancelledStreamLeavesNothingBehind) {
   ASSERT_TRUE(writer->Write(good_[2]));
   context.TryCancel();
   EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  // A client-side cancel does not wait for the server. The server took the pages at the first
+  // chunk and ends the call (counted once they are back) when it sees the cancel; if the cancel
+  // came before the call reached it, it took nothing and counts nothing.
+  const std::string ended = loadgen::SeriesKey(
+      "pagedattn_requests_total",
+      {{"code", "CANCELLED"}, {"method", "ImportSequence"}, {"transport", "grpc"}});
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (absl::Now() < deadline) {
+    auto scrape = loadgen::ScrapeMetrics(absl::StrCat("127.0.0.1:", server_->metrics_port()));
+    ASSERT_TRUE(scrape.ok()) << scrape.status();
+    if (auto it = scrape->find(ended); it != scrape->end() && it->second >= 1) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
   ExpectUnchanged();
   EXPECT_TRUE(absl::IsNotFound(client_->ExportSequence(kNewId).status()));
   // The id is free: the whole stream goes through now.
