@@ -41,10 +41,11 @@ ExportReactor::ExportReactor(Engine* engine, const v1::ExportSequenceRequest& re
     return;
   }
   const TensorView& view = resolved->view;
+  ref_piece_bytes_ = view.kind == MemoryKind::kDevice ? 0 : kExportRefChunkBytes;
   engine->ExportSequenceTo(
       sequence_id_,
       Tensor::View(view.data, view.bytes, view.kind == MemoryKind::kDevice, std::move(resolved->lease)),
-      [this](absl::StatusOr<int64_t> length) { OnWritten(std::move(length)); }, kExportRefChunkBytes,
+      [this](absl::StatusOr<int64_t> length) { OnWritten(std::move(length)); }, ref_piece_bytes_,
       [this](int64_t length, int32_t layer, int64_t first, int64_t n) { OnPiece(length, layer, first, n); });
 }
 
@@ -131,7 +132,10 @@ bool ExportReactor::NextChunkLocked() {
     const int64_t ready = layer_ < ready_layer_ ? length : layer_ == ready_layer_ ? ready_token_ : 0;
     if (ready <= next_token_) return false;
     const int64_t row = config_.shape().kv_token_bytes();
-    const int64_t per_chunk = std::max<int64_t>(1, (by_ref_ ? kExportRefChunkBytes : kExportChunkBytes) / (2 * row));
+    // A chunk per layer for a device destination (num_tokens is an int32).
+    const int64_t per_chunk = !by_ref_             ? std::max<int64_t>(1, kExportChunkBytes / (2 * row))
+                              : ref_piece_bytes_ > 0 ? std::max<int64_t>(1, ref_piece_bytes_ / (2 * row))
+                                                     : int64_t{1} << 30;
     n = std::min<int64_t>(per_chunk, ready - next_token_);
   }
   chunk_.Clear();

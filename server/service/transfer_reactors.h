@@ -46,7 +46,8 @@ class Metrics;
 inline constexpr int64_t kExportChunkBytes = int64_t{2} << 20;
 // Bytes of K plus V per chunk of an export into a region, at most: the engine copies the rows
 // in pieces of this size and each piece's chunk goes out as soon as it is in place, so that an
-// importer reading the region copies one piece while the next is exported. Each chunk costs
+// importer reading the region copies one piece while the next is exported (a region in host
+// memory; one in device memory gets a chunk per layer). Each chunk costs
 // two message hops and an engine task on each side (~40 µs of an importer's time per chunk, a
 // round trip's latency once), so pieces stay large: 8 pieces for 64 MiB, each ~150 µs of copy
 // at 55 GB/s. (Two CPU-backend servers, 32K tokens: 1 MiB pieces 2x slower than 4-16 MiB.)
@@ -80,6 +81,10 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceCh
   const uint64_t sequence_id_;
   const ModelConfig config_;    // the pages' type and scales
   const bool by_ref_;            // an export into the request's destination
+  // K and V bytes per piece and chunk of an export into the destination: kExportRefChunkBytes
+  // for host memory; 0 (a chunk per layer) for device memory, whose copies take microseconds,
+  // less than the messages that pieces would add.
+  int64_t ref_piece_bytes_ = 0;
   const v1::TensorRef destination_;
   std::mutex mu_;
   std::shared_ptr<const SequenceData> data_;  // guarded by mu_, as are the fields below
