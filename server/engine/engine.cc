@@ -44,6 +44,19 @@ class BackendRegionMapper final : public RegionMapper {
   Backend* const backend_;
 };
 
+// A task's `done` for a caller that wants a value: `value()` once the task succeeded, its
+// error otherwise.
+template <typename Done, typename Value>
+std::function<void(const absl::Status&)> Answer(Done done, Value value) {
+  return [done = std::move(done), value = std::move(value)](const absl::Status& s) {
+    if (s.ok()) {
+      done(value());
+    } else {
+      done(s);
+    }
+  };
+}
+
 }  // namespace
 
 class PendingImport {
@@ -87,10 +100,6 @@ class Engine::Impl {
   void ExportSequenceTo(uint64_t id, Tensor destination, ExportToDone done, int64_t piece_bytes,
                         ExportPiece on_piece);
   void OffloadSequence(uint64_t id, StatusDone done);
-  bool HasSequence(uint64_t id) const {
-    std::lock_guard<std::mutex> lock(state_mu_);
-    return table_->Contains(id);
-  }
   void Shutdown(absl::Duration drain_timeout);
 
  private:
@@ -279,13 +288,7 @@ void Engine::Impl::ExportSequence(uint64_t id, ExportDone done) {
         *data = *std::move(d);
         return absl::OkStatus();
       },
-      [data, done = std::move(done)](const absl::Status& s) {
-        if (s.ok()) {
-          done(std::move(*data));
-        } else {
-          done(s);
-        }
-      });
+      Answer(std::move(done), [data] { return std::move(*data); }));
 }
 
 void Engine::Impl::ImportSequence(uint64_t id, std::shared_ptr<const SequenceSource> source,
@@ -298,13 +301,7 @@ void Engine::Impl::ImportSequence(uint64_t id, std::shared_ptr<const SequenceSou
         if (length.ok()) PublishPoolLocked();
         return length.status();
       },
-      [length, done = std::move(done)](const absl::Status& s) {
-        if (s.ok()) {
-          done(length);
-        } else {
-          done(s);
-        }
-      });
+      Answer(std::move(done), [length] { return length; }));
 }
 
 void Engine::Impl::BeginImport(uint64_t id, int64_t length, BeginImportDone done) {
@@ -317,13 +314,7 @@ void Engine::Impl::BeginImport(uint64_t id, int64_t length, BeginImportDone done
         PublishPoolLocked();
         return absl::OkStatus();
       },
-      [import, done = std::move(done)](const absl::Status& s) {
-        if (s.ok()) {
-          done(std::move(*import));
-        } else {
-          done(s);
-        }
-      });
+      Answer(std::move(done), [import] { return std::move(*import); }));
 }
 
 void Engine::Impl::ImportRows(std::shared_ptr<PendingImport> import, const SequenceSource::Span& span,
@@ -346,22 +337,12 @@ void Engine::Impl::EndImport(std::shared_ptr<PendingImport> import, bool commit,
       [this, import = std::move(import), commit]() -> absl::Status {
         if (import->ended) return absl::FailedPreconditionError("the import has ended");
         import->ended = true;
-        absl::Status s = commit ? table_->Adopt(import->id, import->length, import->pages)
-                                : absl::CancelledError("the import was abandoned");
-        if (!s.ok()) {
-          for (int32_t page : import->pages) (void)allocator_->Unref(page);
-        }
-        import->pages.clear();
+        absl::Status s = tiers_->EndImport(*table_, *allocator_, import->id, import->length,
+                                           std::move(import->pages), commit);
         PublishPoolLocked();
-        return commit ? s : absl::OkStatus();
+        return s;
       },
-      [length, done = std::move(done)](const absl::Status& s) {
-        if (s.ok()) {
-          done(length);
-        } else {
-          done(s);
-        }
-      });
+      Answer(std::move(done), [length] { return length; }));
 }
 
 void Engine::Impl::ExportSequenceTo(uint64_t id, Tensor destination, ExportToDone done,
@@ -375,13 +356,7 @@ void Engine::Impl::ExportSequenceTo(uint64_t id, Tensor destination, ExportToDon
         *length = *n;
         return absl::OkStatus();
       },
-      [length, done = std::move(done)](const absl::Status& s) {
-        if (s.ok()) {
-          done(*length);
-        } else {
-          done(s);
-        }
-      });
+      Answer(std::move(done), [length] { return *length; }));
 }
 
 void Engine::Impl::OffloadSequence(uint64_t id, StatusDone done) {
@@ -518,6 +493,5 @@ void Engine::ExportSequenceTo(uint64_t id, Tensor destination, ExportToDone done
 void Engine::OffloadSequence(uint64_t id, StatusDone done) {
   impl_->OffloadSequence(id, std::move(done));
 }
-bool Engine::HasSequence(uint64_t id) const { return impl_->HasSequence(id); }
 
 }  // namespace pagedattn

@@ -295,8 +295,6 @@ class Engine {
   // FAILED_PRECONDITION (no host tier, or mid-step), NOT_FOUND, RESOURCE_EXHAUSTED (host full).
   using StatusDone = std::function<void(absl::Status)>;
   void OffloadSequence(uint64_t sequence_id, StatusDone done);
-  // Whether the id is in use now (a hint for early checks: it may change at once).
-  bool HasSequence(uint64_t sequence_id) const;
 
   // Stops admission (UNAVAILABLE from then on), lets queued work finish for up to
   // drain_timeout, fails what is left with UNAVAILABLE, and joins the executor. Idempotent.

@@ -432,12 +432,17 @@ absl::StatusOr<int64_t> Tiers::Import(SequenceTable& table, BlockAllocator& allo
     if (s = AppendSpanRuns(*pages, span, &runs); !s.ok()) break;
   }
   if (s.ok() && !runs.empty()) s = Failed(backend_->WritePages(runs));
-  if (s.ok()) s = table.Adopt(id, source.length, *pages);
-  if (!s.ok()) {
-    for (int32_t page : *pages) (void)allocator.Unref(page);
-    return s;
-  }
+  const absl::Status ended = EndImport(table, allocator, id, source.length, *std::move(pages), s.ok());
+  if (!s.ok()) return s;
+  if (!ended.ok()) return ended;
   return source.length;
+}
+
+absl::Status Tiers::EndImport(SequenceTable& table, BlockAllocator& allocator, uint64_t id,
+                              int64_t length, std::vector<int32_t> pages, bool commit) {
+  const absl::Status s = commit ? table.Adopt(id, length, &pages) : absl::OkStatus();
+  for (int32_t page : pages) (void)allocator.Unref(page);  // none left once adopted
+  return s;
 }
 
 }  // namespace pagedattn

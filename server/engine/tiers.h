@@ -85,12 +85,16 @@ class Tiers {
   absl::StatusOr<int64_t> Import(SequenceTable& table, BlockAllocator& allocator, uint64_t id,
                                  const SequenceSource& source);
   // An import in pieces (Engine::BeginImport): the pool pages of `length` tokens, in token order,
-  // taken for no sequence yet (the caller gives them to SequenceTable::Adopt, or back to the
-  // allocator). ALREADY_EXISTS when `id` is in use; RESOURCE_EXHAUSTED as Import.
+  // taken for no sequence yet (the caller ends the import with EndImport). ALREADY_EXISTS when
+  // `id` is in use; RESOURCE_EXHAUSTED as Import.
   absl::StatusOr<std::vector<int32_t>> Reserve(SequenceTable& table, BlockAllocator& allocator,
                                                uint64_t id, int64_t length);
   // Copies one span of an import's rows into its pages (INTERNAL for a span outside them).
   absl::Status WriteRows(absl::Span<const int32_t> pages, const SequenceSource::Span& span);
+  // With `commit`, makes Reserve's `pages` sequence `id` of `length` tokens (ALREADY_EXISTS if
+  // the id was taken meanwhile); otherwise, or when that fails, gives them back.
+  absl::Status EndImport(SequenceTable& table, BlockAllocator& allocator, uint64_t id,
+                         int64_t length, std::vector<int32_t> pages, bool commit);
 
  private:
   Tiers(const Options& options, Backend* backend, Metrics* metrics, char* host_memory,

@@ -213,15 +213,16 @@ absl::StatusOr<SequenceTable::StepResult> SequenceTable::ApplyStep(uint64_t id, 
   return result;
 }
 
-absl::Status SequenceTable::Adopt(uint64_t id, int64_t length, std::vector<int32_t> pages) {
+absl::Status SequenceTable::Adopt(uint64_t id, int64_t length, std::vector<int32_t>* pages) {
   if (sequences_.contains(id)) {
     return absl::AlreadyExistsError(absl::StrCat("sequence ", id, " already exists"));
   }
-  if (static_cast<int64_t>(pages.size()) != PagesFor(length)) {
-    return absl::InternalError(absl::StrCat(pages.size(), " pages for a sequence of ", length, " tokens"));
+  if (static_cast<int64_t>(pages->size()) != PagesFor(length)) {
+    return absl::InternalError(absl::StrCat(pages->size(), " pages for a sequence of ", length, " tokens"));
   }
   Sequence seq;
-  seq.pages = std::move(pages);
+  seq.pages = std::move(*pages);
+  pages->clear();
   seq.length = length;
   seq.last_used = ++use_clock_;
   total_tokens_ += length;

@@ -111,10 +111,11 @@ class SequenceTable {
   // Marks a sequence used now (the LRU order of PlanOffload). Steps mark it themselves.
   void Touch(uint64_t id);
 
-  // A new sequence of `length` committed tokens on `pages`: the pages of its tokens in order,
-  // taken from the pool's allocator by the caller, who wrote their content. ALREADY_EXISTS
-  // (the pages stay the caller's), INTERNAL for a page count that does not fit `length`.
-  absl::Status Adopt(uint64_t id, int64_t length, std::vector<int32_t> pages);
+  // A new sequence of `length` committed tokens on *pages: the pages of its tokens in order,
+  // taken from the pool's allocator by the caller, who wrote their content; the sequence takes
+  // them (*pages left empty). ALREADY_EXISTS, INTERNAL for a page count that does not fit
+  // `length`: then the pages stay the caller's.
+  absl::Status Adopt(uint64_t id, int64_t length, std::vector<int32_t>* pages);
 
   // Host pages Offload would take (0 when already offloaded). NOT_FOUND, FAILED_PRECONDITION
   // (mid-step; no host tier).

@@ -118,6 +118,7 @@ void ExportReactor::Pump() {
 
 bool ExportReactor::NextChunkLocked() {
   const int64_t length = length_;
+  const int64_t row = config_.shape().kv_token_bytes();
   int64_t n = 0;  // the chunk's tokens
   if (length == 0) {
     if (empty_written_ || !engine_done_) return false;
@@ -131,12 +132,10 @@ bool ExportReactor::NextChunkLocked() {
     // The rows of this layer in place so far.
     const int64_t ready = layer_ < ready_layer_ ? length : layer_ == ready_layer_ ? ready_token_ : 0;
     if (ready <= next_token_) return false;
-    const int64_t row = config_.shape().kv_token_bytes();
-    // A chunk per layer for a device destination (num_tokens is an int32).
-    const int64_t per_chunk = !by_ref_             ? std::max<int64_t>(1, kExportChunkBytes / (2 * row))
-                              : ref_piece_bytes_ > 0 ? std::max<int64_t>(1, ref_piece_bytes_ / (2 * row))
-                                                     : int64_t{1} << 30;
-    n = std::min<int64_t>(per_chunk, ready - next_token_);
+    // K and V bytes per chunk; 0 (into device memory): a chunk per layer.
+    const int64_t chunk_bytes = by_ref_ ? ref_piece_bytes_ : kExportChunkBytes;
+    n = std::min<int64_t>(ready - next_token_, int64_t{1} << 30);  // num_tokens is an int32
+    if (chunk_bytes > 0) n = std::min<int64_t>(n, std::max<int64_t>(1, chunk_bytes / (2 * row)));
   }
   chunk_.Clear();
   chunk_.set_sequence_id(sequence_id_);
@@ -153,7 +152,6 @@ bool ExportReactor::NextChunkLocked() {
     }
   }
   if (length == 0) return true;
-  const int64_t row = config_.shape().kv_token_bytes();
   chunk_.set_layer(layer_);
   chunk_.set_first_token(next_token_);
   chunk_.set_num_tokens(static_cast<int32_t>(n));
@@ -230,10 +228,6 @@ void ImportReactor::OnReadDone(bool ok) {
   const uint64_t id = assembler_.sequence_id();
   const int64_t length = assembler_.length();
   lock.unlock();
-  if (engine_->HasSequence(id)) {
-    FinishWith(absl::AlreadyExistsError(absl::StrCat("sequence ", id, " already exists")));
-    return;
-  }
   engine_->BeginImport(id, length, [this, rows = *std::move(rows)](
                                        absl::StatusOr<std::shared_ptr<PendingImport>> import) mutable {
     if (!import.ok()) {

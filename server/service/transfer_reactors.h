@@ -4,9 +4,10 @@
 // it as chunks of at most kExportChunkBytes of one layer, layer by layer, one write at a time;
 // with a destination region it has the engine write the rows there (Engine::ExportSequenceTo,
 // the region's lease held by the engine's work until written) in pieces of kExportRefChunkBytes
-// and sends a chunk naming each piece's rows (k_ref, v_ref) as soon as that piece is in place. ImportReactor checks each chunk as it is read (ImportAssembler:
-// referenced rows resolved and leased), refuses an id in use at the first chunk, where it also
-// has the engine take the sequence's pages (Engine::BeginImport), and copies each chunk's rows
+// and sends a chunk naming each piece's rows (k_ref, v_ref) as soon as that piece is in place.
+// ImportReactor checks each chunk as it is read (ImportAssembler: referenced rows resolved and
+// leased), has the engine take the sequence's pages at the first chunk (Engine::BeginImport,
+// which refuses an id in use), and copies each chunk's rows
 // into them (Engine::ImportRows) before it reads the next, so that no copy of the whole
 // sequence is made in host memory and no engine task holds up the steps for longer than a
 // chunk's copy. Once the client half-closes, the pages become the sequence (EndImport). An
