@@ -11,7 +11,8 @@
 #            cudaMemcpy (tier_bench.log), then a migration of one between two CUDA servers on
 #            this GPU over gRPC, by bytes, through a shared-memory region and through a cuda
 #            region (pagedattn-cli migrate --repeat=10 [--via_region [--region_device=0]],
-#            migrate.log)
+#            migrate.log), and gRPC's own time for 64 MiB down and up a stream
+#            (pagedattn_grpc_floor_bench stream)
 #   server   pagedattn-server --backend=cuda (pool sized by --gpu_memory_fraction), its health
 #            probe, a CLI round trip and a small loadgen run with the reference check; the
 #            server stays up for the next step
@@ -99,7 +100,12 @@ if has tiers; then
       mcli migrate 1 "${mig_targets[1]}" --repeat=10 --via_region --region_device=0
   } >> "$OUT/migrate.log" 2>&1
   check "migrate between two servers (bytes, system region, cuda region)" $?
-  grep -E "median|region .* registered" "$OUT/migrate.log" >> "$LOG"
+  # gRPC's own price of the bytes' two hops (down from the exporter, up to the importer).
+  if [[ -x $BIN/pagedattn_grpc_floor_bench ]]; then
+    timeout 120 "$BIN/pagedattn_grpc_floor_bench" 2000 stream >> "$OUT/migrate.log" 2>&1
+    check "gRPC stream floor" $?
+  fi
+  grep -E "median|region .* registered|stream|to server|to client" "$OUT/migrate.log" >> "$LOG"
   kill -TERM "${mig_pids[@]}" 2> /dev/null
   wait "${mig_pids[@]}" 2> /dev/null
 fi
