@@ -92,7 +92,6 @@ class Engine::Impl {
   void Decode(DecodeWork work, DecodeDone done) { admission_->Decode(std::move(work), std::move(done)); }
   void Append(AppendWork work, AppendDone done) { admission_->Append(std::move(work), std::move(done)); }
   void ExportSequence(uint64_t id, ExportDone done);
-  void ImportSequence(uint64_t id, std::shared_ptr<const SequenceSource> source, ImportDone done);
   void BeginImport(uint64_t id, int64_t length, BeginImportDone done);
   void ImportRows(std::shared_ptr<PendingImport> import, const SequenceSource::Span& span,
                   std::shared_ptr<const void> holder, std::function<void(absl::Status)> done);
@@ -291,19 +290,6 @@ void Engine::Impl::ExportSequence(uint64_t id, ExportDone done) {
       Answer(std::move(done), [data] { return std::move(*data); }));
 }
 
-void Engine::Impl::ImportSequence(uint64_t id, std::shared_ptr<const SequenceSource> source,
-                                  ImportDone done) {
-  assert(source != nullptr && source->num_layers == options_.num_layers);
-  const int64_t length = source->length;
-  admission_->Task(
-      [this, id, source = std::move(source)]() -> absl::Status {
-        absl::StatusOr<int64_t> length = tiers_->Import(*table_, *allocator_, id, *source);
-        if (length.ok()) PublishPoolLocked();
-        return length.status();
-      },
-      Answer(std::move(done), [length] { return length; }));
-}
-
 void Engine::Impl::BeginImport(uint64_t id, int64_t length, BeginImportDone done) {
   auto import = std::make_shared<std::shared_ptr<PendingImport>>();
   admission_->Task(
@@ -466,14 +452,6 @@ void Engine::Append(AppendWork work, AppendDone done) {
 void Engine::Shutdown(absl::Duration drain_timeout) { impl_->Shutdown(drain_timeout); }
 void Engine::ExportSequence(uint64_t id, ExportDone done) {
   impl_->ExportSequence(id, std::move(done));
-}
-void Engine::ImportSequence(uint64_t id, std::shared_ptr<const SequenceData> data, ImportDone done) {
-  assert(data != nullptr);
-  impl_->ImportSequence(id, SequenceSource::Of(std::move(data)), std::move(done));
-}
-void Engine::ImportSequence(uint64_t id, std::shared_ptr<const SequenceSource> source,
-                            ImportDone done) {
-  impl_->ImportSequence(id, std::move(source), std::move(done));
 }
 void Engine::BeginImport(uint64_t id, int64_t length, BeginImportDone done) {
   impl_->BeginImport(id, length, std::move(done));

@@ -102,10 +102,9 @@ struct EngineStats {
   int64_t host_pages_free = 0;
 };
 
-// A sequence's committed tokens, every layer, as the pool stores them (ExportSequence and
-// ImportSequence): layer l's K is k(l), [pages * page_size, num_kv_heads, head_dim] in the
-// pages' element type, the layer's pages in token order; rows past `length` are undefined.
-// V likewise.
+// A sequence's committed tokens, every layer, as the pool stores them (ExportSequence): layer
+// l's K is k(l), [pages * page_size, num_kv_heads, head_dim] in the pages' element type, the
+// layer's pages in token order; rows past `length` are undefined. V likewise.
 struct HostMappingDeleter {  // unmaps an anonymous mapping of `size` bytes
   size_t size = 0;
   void operator()(char* p) const;
@@ -134,7 +133,8 @@ struct SequenceData {
 // host memory (a copy of inline bytes) or in a client's registered memory (a region view, host
 // or device), kept alive by `holders` (host copies, region leases) for as long as the source
 // lives. The spans of a layer cover its tokens [0, length) in order with no gap or overlap,
-// layer after layer (the service checks this).
+// layer after layer (the service checks this of a stream's chunks). Engine::ImportRows copies
+// one span.
 struct SequenceSource {
   struct Span {
     int32_t layer = 0;
@@ -255,22 +255,17 @@ class Engine {
   // when offloaded; it stays there). NOT_FOUND, FAILED_PRECONDITION (mid-step).
   using ExportDone = std::function<void(absl::StatusOr<std::shared_ptr<const SequenceData>>)>;
   void ExportSequence(uint64_t sequence_id, ExportDone done);
-  // ImportSequence: a new sequence of data->length committed tokens holding `data` (num_layers
-  // must be the engine's: the service checks it). ALREADY_EXISTS, RESOURCE_EXHAUSTED (pages; with
-  // offload_lru, after offloading what it can). The committed length on success.
+  // BeginImport / ImportRows / EndImport: a new sequence of `length` committed tokens, copied
+  // in as its rows arrive (the service's ImportSequence stream). BeginImport takes the pool
+  // pages of `length` tokens on every layer, for no sequence yet: ALREADY_EXISTS when the id is
+  // in use, RESOURCE_EXHAUSTED when the pages are not there (with offload_lru, after offloading
+  // what it can). Each ImportRows copies one span of rows (host copies or region views, of one
+  // of the engine's layers) into them; `holder` keeps the span's memory alive until `done`.
+  // EndImport with `commit` makes them sequence `sequence_id` and answers its committed length
+  // (ALREADY_EXISTS if the id was taken meanwhile), without it gives the pages back. Every
+  // import BeginImport opened must be ended (nothing else frees its pages); an ended one
+  // refuses more calls.
   using ImportDone = std::function<void(absl::StatusOr<int64_t>)>;
-  void ImportSequence(uint64_t sequence_id, std::shared_ptr<const SequenceData> data, ImportDone done);
-  // The same from rows given in pieces (host copies and region views); the source, and with it
-  // the regions' leases, is dropped once the import is applied or refused.
-  void ImportSequence(uint64_t sequence_id, std::shared_ptr<const SequenceSource> source,
-                      ImportDone done);
-  // The same applied as the rows arrive (the service's ImportSequence stream). BeginImport
-  // takes the pool pages of `length` tokens on every layer, for no sequence yet, failing as
-  // ImportSequence does (ALREADY_EXISTS, RESOURCE_EXHAUSTED); each ImportRows copies one span of
-  // rows into them (`holder` keeps the span's memory alive until `done`); EndImport with
-  // `commit` makes them sequence `sequence_id` and answers its length (ALREADY_EXISTS if the id
-  // was taken meanwhile), without it gives the pages back. Every import BeginImport opened
-  // must be ended (nothing else frees its pages); an ended one refuses more calls.
   using BeginImportDone = std::function<void(absl::StatusOr<std::shared_ptr<PendingImport>>)>;
   void BeginImport(uint64_t sequence_id, int64_t length, BeginImportDone done);
   void ImportRows(std::shared_ptr<PendingImport> import, const SequenceSource::Span& span,

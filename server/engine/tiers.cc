@@ -399,10 +399,7 @@ absl::StatusOr<std::vector<int32_t>> Tiers::Reserve(SequenceTable& table, BlockA
   return pages;
 }
 
-// Runs for one span of rows into `pages` (the sequence's, in token order); INTERNAL for a span
-// outside them.
-absl::Status Tiers::AppendSpanRuns(absl::Span<const int32_t> pages, const SequenceSource::Span& span,
-                                   std::vector<PageRun>* runs) const {
+absl::Status Tiers::WriteRows(absl::Span<const int32_t> pages, const SequenceSource::Span& span) {
   const int64_t tokens = static_cast<int64_t>(pages.size()) * options_.model.page_size;
   if (span.layer < 0 || span.layer >= options_.num_layers || span.first_token < 0 ||
       span.num_tokens < 1 || span.num_tokens > tokens - span.first_token) {
@@ -410,32 +407,10 @@ absl::Status Tiers::AppendSpanRuns(absl::Span<const int32_t> pages, const Sequen
                                             span.first_token, ", +", span.num_tokens,
                                             ") outside the sequence's ", pages.size(), " pages"));
   }
+  std::vector<PageRun> runs;
   AppendTokenRuns(span.layer, pages, span.first_token, span.num_tokens, options_.model, span.k,
-                  span.v, span.on_device, runs);
-  return absl::OkStatus();
-}
-
-absl::Status Tiers::WriteRows(absl::Span<const int32_t> pages, const SequenceSource::Span& span) {
-  std::vector<PageRun> runs;
-  if (absl::Status s = AppendSpanRuns(pages, span, &runs); !s.ok()) return s;
+                  span.v, span.on_device, &runs);
   return Failed(backend_->WritePages(runs));
-}
-
-absl::StatusOr<int64_t> Tiers::Import(SequenceTable& table, BlockAllocator& allocator, uint64_t id,
-                                      const SequenceSource& source) {
-  absl::StatusOr<std::vector<int32_t>> pages = Reserve(table, allocator, id, source.length);
-  if (!pages.ok()) return pages.status();
-  // One batch of copies for every span.
-  std::vector<PageRun> runs;
-  absl::Status s;
-  for (const SequenceSource::Span& span : source.spans) {
-    if (s = AppendSpanRuns(*pages, span, &runs); !s.ok()) break;
-  }
-  if (s.ok() && !runs.empty()) s = Failed(backend_->WritePages(runs));
-  const absl::Status ended = EndImport(table, allocator, id, source.length, *std::move(pages), s.ok());
-  if (!s.ok()) return s;
-  if (!ended.ok()) return ended;
-  return source.length;
 }
 
 absl::Status Tiers::EndImport(SequenceTable& table, BlockAllocator& allocator, uint64_t id,

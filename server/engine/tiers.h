@@ -16,7 +16,8 @@
 //     and, with the lru policy, offloads the least recently used idle sequences (resident, not
 //     mid-step, not in the batch being built) when the step lacks free pages. It refuses with
 //     RESOURCE_EXHAUSTED, changing nothing, when the pages cannot be found that way;
-//   - Export (a copy of a sequence's committed tokens) and Import (a new sequence from one).
+//   - Export (a copy of a sequence's committed tokens) and import (a new sequence from rows,
+//     in pieces: Reserve, WriteRows, EndImport).
 // A backend error in a transfer is INTERNAL and reported through Options::backend_failed (the
 // engine turns unhealthy: the tiers' content is then undefined).
 #pragma once
@@ -44,7 +45,7 @@ class Tiers {
   struct Options {
     int32_t num_layers = 1;   // the pool's
     kernels::Shape model{};   // the pool's pages
-    int64_t host_pages = 0;   // 0: no host tier (Export and Import still work)
+    int64_t host_pages = 0;   // 0: no host tier (export and import still work)
     bool offload_lru = false;
     std::function<void(const absl::Status&)> backend_failed;
   };
@@ -81,12 +82,10 @@ class Tiers {
       std::function<void(int64_t length, int32_t layer, int64_t first_token, int64_t num_tokens)>;
   absl::StatusOr<int64_t> ExportTo(SequenceTable& table, uint64_t id, Tensor& destination,
                                    int64_t piece_bytes = 0, const ExportPiece& on_piece = nullptr);
-  // Import's batch holds nothing else, so no exclusion is needed for room.
-  absl::StatusOr<int64_t> Import(SequenceTable& table, BlockAllocator& allocator, uint64_t id,
-                                 const SequenceSource& source);
   // An import in pieces (Engine::BeginImport): the pool pages of `length` tokens, in token order,
   // taken for no sequence yet (the caller ends the import with EndImport). ALREADY_EXISTS when
-  // `id` is in use; RESOURCE_EXHAUSTED as Import.
+  // `id` is in use; RESOURCE_EXHAUSTED when the pages cannot be found (with the lru policy, after
+  // offloading idle sequences: the task's batch holds nothing else, so none is excluded).
   absl::StatusOr<std::vector<int32_t>> Reserve(SequenceTable& table, BlockAllocator& allocator,
                                                uint64_t id, int64_t length);
   // Copies one span of an import's rows into its pages (INTERNAL for a span outside them).
@@ -110,8 +109,6 @@ class Tiers {
   // The runs of `moves` (sorted by device page, merged where both sides are consecutive) for
   // every layer, pointing into the host tier.
   std::vector<PageRun> HostRuns(std::vector<SequenceTable::PageMove> moves) const;
-  absl::Status AppendSpanRuns(absl::Span<const int32_t> pages, const SequenceSource::Span& span,
-                              std::vector<PageRun>* runs) const;
   char* HostK(int32_t layer, int32_t host_page) const;
   char* HostV(int32_t layer, int32_t host_page) const;
   absl::Status Failed(absl::Status s);
