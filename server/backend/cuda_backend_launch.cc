@@ -271,21 +271,20 @@ absl::Status CudaBackend::Impl::LaunchRound(Slot& slot, const BackendBatch& batc
     }
     // The outputs go into the slot's device buffer, or, when the kernel writes them, straight
     // into the batch's host block as the device addresses it, or into a client's device memory.
-    char* out_base = slot.dev_out;
-    if (slot.out == OutputMode::kKernelWrites) {
-      out_base = launch_plan.out_device
-                     ? launch_plan.out_runs[0].host
-                     : ring_device + (launch_plan.out_runs[0].host - ring_memory);
-    }
     const int32_t b = batch.plan.batch_size();
+    char* output = slot.dev_out;
+    float* lse = reinterpret_cast<float*>(slot.dev_out + LseOffset(shape.model, b));
+    if (slot.out == OutputMode::kKernelWrites) {
+      output = launch_plan.KernelOutput(ring_memory, ring_device);
+      lse = launch_plan.KernelLse(shape.model, b, ring_memory, ring_device);
+    }
     k::DecodeArgs a;
     a.q = RowsAt(rp.q_in_place, dev + l.q);
     a.k_cache = k_pool;
     a.v_cache = v_pool;
     a.kv_indices = reinterpret_cast<const int32_t*>(dev + l.indices);
-    a.output = out_base + int64_t{r.seq_begin} * shape.model.query_bytes();
-    a.lse = reinterpret_cast<float*>(out_base + LseOffset(shape.model, b)) +
-            int64_t{r.seq_begin} * shape.model.num_qo_heads;
+    a.output = output + int64_t{r.seq_begin} * shape.model.query_bytes();
+    a.lse = lse + int64_t{r.seq_begin} * shape.model.num_qo_heads;
     a.batch_size = r.num_sequences();
     a.num_pages = pool_pages;
     a.sm_scale = batch.sm_scale;

@@ -185,6 +185,16 @@ void SortOutputPieces(const kernels::Shape& model, const BackendBatch& batch,
   }
 }
 
+// Whether the decode kernel can write a batch's outputs where the device runs say, with no
+// copy after it: one run (output rows, then lse rows, as in the output buffer), or the output
+// rows and the lse rows each in one run of their own.
+bool KernelWritesDeviceRuns(const kernels::Shape& model, int32_t b,
+                            const std::vector<DeviceRun>& runs) {
+  if (runs.size() == 1) return true;
+  return runs.size() == 2 && runs[0].offset == 0 && runs[0].bytes == b * model.query_bytes() &&
+         runs[1].offset == LseOffset(model, b) && runs[1].bytes == b * model.lse_bytes();
+}
+
 absl::Status Straddling(absl::string_view what) {
   return absl::InternalError(
       absl::StrCat("a batch's ", what, " row lies partly in registered device memory"));
@@ -282,8 +292,8 @@ absl::Status PlanLaunch(const BackendBatch& batch, const StagingCapacity& capaci
     SortOutputPieces(model, batch, &sorter);
     if (sorter.straddles()) return Straddling("output or lse");
     if (sorter.registered()) {
-      if (plan->out_runs.empty() && plan->out_device_runs.size() == 1 &&
-          options.kernel_writes_outputs) {
+      if (plan->out_runs.empty() && options.kernel_writes_outputs &&
+          KernelWritesDeviceRuns(model, b, plan->out_device_runs)) {
         plan->output = OutputMode::kKernelWrites;
         plan->out_device = true;
         plan->out_runs.swap(plan->out_device_runs);

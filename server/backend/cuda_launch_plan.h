@@ -111,10 +111,12 @@ struct LaunchPlan {
   bool attention = false;            // the batch has sequences (a decode kernel runs)
   OutputMode output = OutputMode::kCopyAndUnpack;
   // kCopyToBlocks: the runs of the outputs in the output buffer (OutputRuns). kKernelWrites:
-  // its one run, whose host address the kernel writes (output rows, then lse rows).
-  // kCopyAndUnpack with unpack_runs: the host runs Wait unpacks (device rows left out).
+  // its one run, whose host address the kernel writes (output rows, then lse rows), or, in a
+  // client's device memory only, two: the output rows (out_runs[0]) and the lse rows
+  // (out_runs[1]) apart. kCopyAndUnpack with unpack_runs: the host runs Wait unpacks (device
+  // rows left out).
   std::vector<DeviceRun> out_runs;
-  // kKernelWrites: out_runs[0].host is device memory (a client's), not the ring.
+  // kKernelWrites: out_runs is device memory (a client's), not the ring.
   bool out_device = false;
   // kCopyAndUnpack: Wait unpacks out_runs, not every output row (some rows are device memory).
   bool unpack_runs = false;
@@ -135,6 +137,18 @@ struct LaunchPlan {
   }
   const int32_t* RoundAppendRows(const RoundPlan& r) const {
     return r.kernel_appends ? append_rows.data() + r.append_begin : nullptr;
+  }
+  // kKernelWrites: where the kernel writes the batch's output rows and lse rows, given where
+  // the ring's host addresses lie for the device (`ring`, `ring_device`).
+  char* KernelOutput(const char* ring, char* ring_device) const {
+    return out_device ? out_runs[0].host : ring_device + (out_runs[0].host - ring);
+  }
+  float* KernelLse(const kernels::Shape& model, int32_t batch_size, const char* ring,
+                   char* ring_device) const {
+    char* const lse = out_runs.size() == 2 ? out_runs[1].host
+                                           : KernelOutput(ring, ring_device) +
+                                                 LseOffset(model, batch_size);
+    return reinterpret_cast<float*>(lse);
   }
 };
 

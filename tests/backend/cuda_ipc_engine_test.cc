@@ -100,11 +100,13 @@ class CudaIpcEngineTest : public ::testing::Test {
 };
 
 TEST_F(CudaIpcEngineTest, DecodeStepsWithTensorsInDeviceMemoryGiveTheInlineBytes) {
-  // Pairs of sequences (100 and 150 tokens) in four twin sets: all inline; q, k, v, output and
-  // lse in device memory; only the outputs there; only the inputs there.
-  const std::vector<std::vector<uint64_t>> sets = {{1, 2}, {11, 12}, {21, 22}, {31, 32}};
+  // Pairs of sequences (100 and 150 tokens) in five twin sets: all inline; q, k, v, output and
+  // lse in device memory; only the outputs there; only the inputs there; all there with the lse
+  // rows apart from the output rows (as in a client's slot sized for a larger batch, which
+  // the kernel writes in two runs).
+  const std::vector<std::vector<uint64_t>> sets = {{1, 2}, {11, 12}, {21, 22}, {31, 32}, {51, 52}};
   for (int p = 0; p < 2; ++p) {
-    CreateTwins({sets[0][p], sets[1][p], sets[2][p], sets[3][p]}, 100 + 50 * p);
+    CreateTwins({sets[0][p], sets[1][p], sets[2][p], sets[3][p], sets[4][p]}, 100 + 50 * p);
   }
   const DecodeBlockLayout l = DecodeBlockLayout::For(k::Shape{}, 2, true);
   const std::string q = ToBytes(RandomBf16(2 * k::kQueryElems, rng_));
@@ -127,10 +129,13 @@ TEST_F(CudaIpcEngineTest, DecodeStepsWithTensorsInDeviceMemoryGiveTheInlineBytes
   const auto view = [](char* d, int64_t offset, int64_t n) {
     return Tensor::View(d + offset, n, /*on_device=*/true, RegionLease());
   };
-  for (int set = 1; set <= 3; ++set) {
+  const int64_t lse_apart = l.bytes + 4096;  // set 4's lse rows
+  for (int set = 1; set <= 4; ++set) {
     SCOPED_TRACE(set);
     int index = -1;
-    char* const d = Region(l.bytes, q + kk + vv, &index);  // q, k, v at l.q, l.k, l.v
+    const int64_t lse_at = set == 4 ? lse_apart : l.lse;
+    // q, k, v at l.q, l.k, l.v
+    char* const d = Region(lse_at + (l.bytes - l.lse), q + kk + vv, &index);
     ASSERT_NE(d, nullptr);
     DecodeWork w = work(set);
     if (set != 2) {
@@ -140,7 +145,7 @@ TEST_F(CudaIpcEngineTest, DecodeStepsWithTensorsInDeviceMemoryGiveTheInlineBytes
     }
     if (set != 3) {
       w.output = view(d, l.output, l.lse - l.output);
-      w.lse = view(d, l.lse, l.bytes - l.lse);
+      w.lse = view(d, lse_at, l.bytes - l.lse);
     }
     absl::StatusOr<DecodeOutput> got = DecodeNow(*engine_, std::move(w));
     ASSERT_TRUE(got.ok()) << got.status();
@@ -150,7 +155,7 @@ TEST_F(CudaIpcEngineTest, DecodeStepsWithTensorsInDeviceMemoryGiveTheInlineBytes
     } else {
       EXPECT_TRUE(got->output.empty());
       EXPECT_EQ(ReadBack(index, l.output, l.lse - l.output), want->output);
-      EXPECT_EQ(ReadBack(index, l.lse, l.bytes - l.lse), want->lse);
+      EXPECT_EQ(ReadBack(index, lse_at, l.bytes - l.lse), want->lse);
     }
   }
   EXPECT_TRUE(engine_->health().ok());

@@ -104,6 +104,79 @@ TEST_F(RegisteredPlanTest, OneRequestInDeviceMemoryIsCopiedOnTheDeviceAndTheKern
   EXPECT_TRUE(plan.out_device_runs.empty());
 }
 
+TEST_F(RegisteredPlanTest, TheKernelWritesOutputAndLseRowsThatLieApartInDeviceMemory) {
+  // A client's slot laid out for a larger batch: the lse rows start further on than right
+  // after this request's output rows.
+  MakeDeviceOwn();
+  Requests r;
+  char* const block = device_.data() + 8192;
+  r.Add(block, 3);
+  char* const lse = device_.data() + 65536;
+  for (int32_t i = 0; i < 3; ++i) {
+    r.batch().lse[i] = reinterpret_cast<float*>(lse + i * k::kLseBytes);
+  }
+  const LaunchPlan plan = Plan(r.batch());
+  EXPECT_EQ(plan.output, OutputMode::kKernelWrites);
+  EXPECT_TRUE(plan.out_device);
+  ASSERT_EQ(plan.out_runs.size(), 2u);
+  EXPECT_TRUE(plan.out_device_runs.empty());  // no copy after the kernel
+  char* const output = reinterpret_cast<char*>(r.batch().output[0]);
+  EXPECT_EQ(plan.KernelOutput(ring_.data(), nullptr), output);
+  EXPECT_EQ(plan.KernelLse(k::Shape{}, 3, ring_.data(), nullptr), reinterpret_cast<float*>(lse));
+  EXPECT_EQ(plan.out_runs[0].bytes, 3 * k::kQueryBytes);
+  EXPECT_EQ(plan.out_runs[1].bytes, 3 * k::kLseBytes);
+
+  // Without kernel writes, both runs are copied on the device.
+  options_.kernel_writes_outputs = false;
+  const LaunchPlan copied = Plan(r.batch());
+  EXPECT_EQ(copied.output, OutputMode::kCopyToBlocks);
+  EXPECT_FALSE(copied.out_device);
+  EXPECT_EQ(copied.out_device_runs.size(), 2u);
+}
+
+TEST_F(RegisteredPlanTest, OutputsInOtherDeviceRunsAreCopiedAfterTheKernel) {
+  MakeDeviceOwn();
+  // One lse row apart from the others: two runs, but not the output rows and the lse rows.
+  Requests split;
+  split.Add(device_.data() + 8192, 3);
+  split.batch().lse[2] = reinterpret_cast<float*>(device_.data() + 65536);
+  const LaunchPlan a = Plan(split.batch());
+  EXPECT_EQ(a.output, OutputMode::kCopyToBlocks);
+  EXPECT_FALSE(a.out_device);
+  ASSERT_EQ(a.out_device_runs.size(), 2u);
+  EXPECT_EQ(a.out_device_runs[0].bytes, 3 * k::kQueryBytes + 2 * k::kLseBytes);
+  // Two requests, each in device memory of its own: four runs.
+  Requests two;
+  two.Add(device_.data() + 8192, 2);
+  two.Add(device_.data() + 131072, 1);
+  const LaunchPlan b = Plan(two.batch());
+  EXPECT_EQ(b.output, OutputMode::kCopyToBlocks);
+  EXPECT_EQ(b.out_device_runs.size(), 4u);
+  ExpectNoHostRunInDevice(b);
+}
+
+TEST_F(RegisteredPlanTest, OneRunOfOutputsIsWrittenWhereItLies) {
+  // In device memory: the run itself; in the ring: the run as the device addresses the ring.
+  Requests dev;
+  char* const end = dev.Add(device_.data(), 2);
+  const LaunchPlan in_device = Plan(dev.batch());
+  ASSERT_EQ(in_device.output, OutputMode::kKernelWrites);
+  char* const output = reinterpret_cast<char*>(dev.batch().output[0]);
+  EXPECT_EQ(in_device.KernelOutput(ring_.data(), nullptr), output);
+  EXPECT_EQ(in_device.KernelLse(k::Shape{}, 2, ring_.data(), nullptr),
+            reinterpret_cast<float*>(end - 2 * k::kLseBytes));
+  Requests ring;
+  ring.Add(ring_.data() + 4096, 2);
+  const LaunchPlan in_ring = Plan(ring.batch());
+  ASSERT_EQ(in_ring.output, OutputMode::kKernelWrites);
+  ASSERT_FALSE(in_ring.out_device);
+  std::vector<char> mapped(ring_.size());  // the ring as the device addresses it
+  const int64_t at = reinterpret_cast<char*>(ring.batch().output[0]) - ring_.data();
+  EXPECT_EQ(in_ring.KernelOutput(ring_.data(), mapped.data()), mapped.data() + at);
+  EXPECT_EQ(in_ring.KernelLse(k::Shape{}, 2, ring_.data(), mapped.data()),
+            reinterpret_cast<float*>(mapped.data() + at + 2 * k::kQueryBytes));
+}
+
 TEST_F(RegisteredPlanTest, WithoutKernelWritesDeviceOutputsAreCopiedOnTheDevice) {
   options_.kernel_writes_outputs = false;
   Requests r;
