@@ -78,8 +78,8 @@ if has tiers; then
   # second ten times each way the CLI offers (the copy released between runs).
   : > "$OUT/migrate.log"
   mig_flags=(--backend=cuda --num_layers=1 --num_pages=1024 --host_kv_bytes=0
-             --max_message_bytes=134217728 --metrics_address= --grpc_address=127.0.0.1:0)
-  mig_pids=(); mig_targets=()
+             --max_message_bytes=134217728 --metrics_address=127.0.0.1:0 --grpc_address=127.0.0.1:0)
+  mig_pids=(); mig_targets=(); mig_metrics=()
   for i in 0 1; do
     "$BIN/pagedattn-server" "${mig_flags[@]}" > "$OUT/migrate_server$i.log" 2>&1 &
     mig_pids+=($!)
@@ -89,15 +89,34 @@ if has tiers; then
       sleep 0.5
     done
     mig_targets+=("$(sed -E 's/.*grpc=([^ ]+).*/\1/' <<< "$line")")
+    mig_metrics+=("$(sed -E 's/.*metrics=([^ ]+).*/\1/' <<< "$line")")
   done
+  # The exporter's ExportSequence and the importer's ImportSequence time so far (sums and
+  # counts of the servers' request histograms): where a migration's time goes.
+  mig_rpcs() {
+    python3 - "$1" "${mig_metrics[@]}" << 'EOF2'
+import re, sys, urllib.request
+def rpc(address, method):
+    text = urllib.request.urlopen("http://%s/metrics" % address, timeout=5).read().decode()
+    got = {}
+    for kind in ("sum", "count"):
+        m = re.search(r'pagedattn_request_duration_seconds_%s\{[^}]*method="%s"[^}]*\} (\S+)' % (kind, method), text)
+        got[kind] = float(m.group(1)) if m else 0.0
+    return got
+e, i = rpc(sys.argv[2], "ExportSequence"), rpc(sys.argv[3], "ImportSequence")
+print("rpcs after %s: export %d calls %.3f ms in all, import %d calls %.3f ms in all" %
+      (sys.argv[1], e["count"], e["sum"] * 1e3, i["count"], i["sum"] * 1e3))
+EOF2
+  }
   mcli() { "$BIN/pagedattn-cli" --max_message_bytes=134217728 --target="${mig_targets[0]}" "$@"; }
   {
     mcli create 1 && mcli append 1 --num_tokens=32768 &&
-      mcli migrate 1 "${mig_targets[1]}" --repeat=10 &&
+      mcli migrate 1 "${mig_targets[1]}" --repeat=10 && mig_rpcs "by bytes" &&
       "$BIN/pagedattn-cli" --target="${mig_targets[1]}" release 1 &&
-      mcli migrate 1 "${mig_targets[1]}" --repeat=10 --via_region &&
+      mcli migrate 1 "${mig_targets[1]}" --repeat=10 --via_region && mig_rpcs "system region" &&
       "$BIN/pagedattn-cli" --target="${mig_targets[1]}" release 1 &&
-      mcli migrate 1 "${mig_targets[1]}" --repeat=10 --via_region --region_device=0
+      mcli migrate 1 "${mig_targets[1]}" --repeat=10 --via_region --region_device=0 &&
+      mig_rpcs "cuda region"
   } >> "$OUT/migrate.log" 2>&1
   check "migrate between two servers (bytes, system region, cuda region)" $?
   # gRPC's own price of the bytes' two hops (down from the exporter, up to the importer).
@@ -105,7 +124,7 @@ if has tiers; then
     timeout 120 "$BIN/pagedattn_grpc_floor_bench" 2000 stream >> "$OUT/migrate.log" 2>&1
     check "gRPC stream floor" $?
   fi
-  grep -E "median|region .* registered|stream|to server|to client" "$OUT/migrate.log" >> "$LOG"
+  grep -E "median|region .* registered|stream|to server|to client|^rpcs" "$OUT/migrate.log" >> "$LOG"
   kill -TERM "${mig_pids[@]}" 2> /dev/null
   wait "${mig_pids[@]}" 2> /dev/null
 fi
