@@ -10,7 +10,8 @@
 #   l56_b64_ctx4096_{grpc,local}  56 layers per step, B=64     [step <= 1.2 x 56 kernels]
 #   b64_ctx4096_c2_local          two callers, B=64 each       [>= 0.97 of kernel-alone throughput]
 # Writes OUT_DIR/<run>.json and summary.txt. SMOKE=1: tiny shapes on a CPU-backend server with
-# system regions, to try the script without a GPU.
+# system regions, to try the script without a GPU. SERVER: the server binary's name in BUNDLE/bin
+# (default pagedattn-server), to measure a variant; L56=0 leaves out the 56-layer runs.
 set -uo pipefail
 out=${1:?usage: run_local_h200.sh OUT_DIR [BUNDLE]}
 bundle=$(cd "${2:-.device/bundle}" && pwd) || exit 2
@@ -27,7 +28,7 @@ fi
 socket=/tmp/pagedattn-local-$$.sock
 server_pid=
 start_server() {  # start_server NAME LAYERS PAGES
-  "$bundle/bin/pagedattn-server" --backend=$backend --grpc_address="unix:$socket" \
+  "$bundle/bin/${SERVER:-pagedattn-server}" --backend=$backend --grpc_address="unix:$socket" \
     --metrics_address=127.0.0.1:0 --num_layers="$2" --num_pages="$3" --max_batch_size=64 \
     --max_queue_delay_us=0 --local_spin_us=1000 > "$out/server_$1.log" 2>&1 &
   server_pid=$!
@@ -55,11 +56,13 @@ done
 run "b${b}_ctx${ctx}_c2_local" --transport=local --concurrency=2 --batch_size=$b --context_len=$ctx \
   --warmup_steps=20 --steps=$steps
 stop_server
-start_server l56 56 $l56_pages
-for transport in grpc local; do
-  run "l56_b${b}_ctx${ctx}_$transport" --transport=$transport --concurrency=1 --batch_size=$b \
-    --context_len=$ctx --warmup_steps=2 --steps=$l56_steps --check_sequences=2 --check_decodes=16
-done
-stop_server
+if [[ ${L56:-1} != 0 ]]; then
+  start_server l56 56 $l56_pages
+  for transport in grpc local; do
+    run "l56_b${b}_ctx${ctx}_$transport" --transport=$transport --concurrency=1 --batch_size=$b \
+      --context_len=$ctx --warmup_steps=2 --steps=$l56_steps --check_sequences=2 --check_decodes=16
+  done
+  stop_server
+fi
 rm -f "$socket"
 grep -E "^==|latency|kernel mean|check|!!" "$out/summary.txt"
