@@ -109,6 +109,9 @@ ABSL_FLAG(int32_t, cpu_threads, 0, "CPU backend threads; 0 = one per hardware th
 ABSL_FLAG(int64_t, max_message_bytes, 64 << 20,
           "gRPC send/receive limit per message; larger ones get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int32_t, stream_max_in_flight, 32, "DecodeStream requests in flight per stream");
+ABSL_FLAG(int64_t, export_piece_mib, 8,
+          "ExportSequence into a host-memory region: MiB of K and V per piece, each sent as soon "
+          "as it is written; 0: one chunk per layer");
 ABSL_FLAG(int32_t, max_memory_regions, 256,
           "Memory regions (tensors by reference) clients may register at once; more get "
           "RESOURCE_EXHAUSTED");
@@ -382,6 +385,7 @@ int Serve() {
   }
   server_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   server_options.stream_max_in_flight = absl::GetFlag(FLAGS_stream_max_in_flight);
+  server_options.export_piece_bytes = absl::GetFlag(FLAGS_export_piece_mib) << 20;
   server_options.http2_window_bytes = absl::GetFlag(FLAGS_http2_window_bytes);
   server_options.http2_max_frame_bytes = absl::GetFlag(FLAGS_http2_max_frame_bytes);
   {

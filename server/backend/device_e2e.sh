@@ -23,7 +23,8 @@
 # figures.md, summary.txt, sweep.png and loadgen.tar.gz (its whole output folder).
 # Environment: SERVER_FLAGS (server flags; default one layer, batches of 64, no batching
 # delay, as run_h200.sh asks), QUICK=1 (short loadgen runs), LOADGEN_TIMEOUT (s, default 420),
-# TEST_TIMEOUT (s per test binary, default 300), SMOKE_ARGS (shape of the small loadgen run).
+# TEST_TIMEOUT (s per test binary, default 300), SMOKE_ARGS (shape of the small loadgen run),
+# MIG_FLAGS (more flags for the tiers step's two servers, e.g. --export_piece_mib=0).
 set -u
 BUNDLE=$(cd "${1:-.device/bundle}" && pwd) || { echo "no bundle" >&2; exit 2; }
 BIN=$BUNDLE/bin
@@ -77,8 +78,10 @@ if has tiers; then
   # Two servers on this GPU, a 32K-token sequence of one layer on the first, migrated to the
   # second ten times each way the CLI offers (the copy released between runs).
   : > "$OUT/migrate.log"
+  # shellcheck disable=SC2206  # MIG_FLAGS is split into flags on purpose
   mig_flags=(--backend=cuda --num_layers=1 --num_pages=1024 --host_kv_bytes=0
-             --max_message_bytes=134217728 --metrics_address=127.0.0.1:0 --grpc_address=127.0.0.1:0)
+             --max_message_bytes=134217728 --metrics_address=127.0.0.1:0 --grpc_address=127.0.0.1:0
+             ${MIG_FLAGS:-})
   mig_pids=(); mig_targets=(); mig_metrics=()
   for i in 0 1; do
     "$BIN/pagedattn-server" "${mig_flags[@]}" > "$OUT/migrate_server$i.log" 2>&1 &

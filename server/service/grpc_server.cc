@@ -42,6 +42,9 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const Options& opt
     return absl::InvalidArgumentError(absl::StrCat("max_message_bytes must be in [1024, 2^31), got ",
                                                    options.max_message_bytes));
   }
+  if (options.export_piece_bytes < 0) {
+    return absl::InvalidArgumentError("export_piece_bytes must be >= 0");
+  }
   if (options.stream_max_in_flight < 1) {
     return absl::InvalidArgumentError("stream_max_in_flight must be > 0");
   }
@@ -60,6 +63,7 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const Options& opt
   service_options.auth_token = options.auth_token;
   service_options.max_message_bytes = options.max_message_bytes;
   service_options.stream_max_in_flight = options.stream_max_in_flight;
+  service_options.export_piece_bytes = options.export_piece_bytes;
   std::unique_ptr<LocalChannels> local;
   if (options.local_channels) {
     absl::StatusOr<std::unique_ptr<LocalChannels>> created =

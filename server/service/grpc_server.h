@@ -41,6 +41,9 @@ class GrpcServer {
     int64_t max_message_bytes = 64 << 20;
     // DecodeStream: requests in flight per stream.
     int32_t stream_max_in_flight = 32;
+    // An export into a host-memory region: K and V bytes per piece (see ExportReactor), >= 0;
+    // 0: one chunk per layer.
+    int64_t export_piece_bytes = kExportRefChunkBytes;
     // HTTP/2 stream flow-control window this server grants (bytes, > 0), fixed: gRPC's
     // bandwidth-delay probing is turned off. 0: gRPC's default (64 KiB, grown by probing),
     // which makes a ~0.5 MB Decode request wait for window updates on its way in.

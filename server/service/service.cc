@@ -329,7 +329,7 @@ grpc::ServerWriteReactor<v1::ExportSequenceChunk>* PagedAttentionService::Export
     grpc::CallbackServerContext* context, const v1::ExportSequenceRequest* request) {
   using Reactor = grpc::ServerWriteReactor<v1::ExportSequenceChunk>;
   if (Reactor* rejected = RejectUnauthenticated<Reactor>(context, "ExportSequence")) return rejected;
-  return new ExportReactor(engine_, *request, metrics_, &calls_);
+  return new ExportReactor(engine_, *request, options_.export_piece_bytes, metrics_, &calls_);
 }
 
 grpc::ServerReadReactor<v1::ImportSequenceChunk>* PagedAttentionService::ImportSequence(

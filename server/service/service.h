@@ -19,6 +19,7 @@
 #include "server/service/auth.h"
 #include "server/service/call_counter.h"
 #include "server/service/deadline_timers.h"
+#include "server/service/transfer_reactors.h"
 #include "server/engine/engine.h"
 
 namespace pagedattn {
@@ -37,6 +38,8 @@ class PagedAttentionService final : public v1::PagedAttention::CallbackService {
     int64_t max_message_bytes = 64 << 20;
     // DecodeStream: requests read ahead and in flight per stream (> 0).
     int32_t stream_max_in_flight = 32;
+    // ExportSequence into a host-memory region: K and V bytes per piece; 0: a chunk per layer.
+    int64_t export_piece_bytes = kExportRefChunkBytes;
     // Bearer token every call must carry ("authorization: Bearer <token>"); empty: no check.
     // Checked first in every handler (see server/service/auth.h); failures are UNAUTHENTICATED
     // and counted as pagedattn_rejected_requests_total{reason="unauthenticated"}.

@@ -15,13 +15,14 @@ namespace pagedattn {
 namespace k = kernels;
 
 ExportReactor::ExportReactor(Engine* engine, const v1::ExportSequenceRequest& request,
-                             Metrics* metrics, CallCounter* calls)
+                             int64_t host_piece_bytes, Metrics* metrics, CallCounter* calls)
     : metrics_(metrics),
       calls_(calls),
       start_(absl::Now()),
       sequence_id_(request.sequence_id()),
       config_(engine->config()),
       by_ref_(request.has_destination()),
+      host_piece_bytes_(host_piece_bytes),
       destination_(request.destination()) {
   calls_->Begin();
   if (!by_ref_) {
@@ -41,7 +42,7 @@ ExportReactor::ExportReactor(Engine* engine, const v1::ExportSequenceRequest& re
     return;
   }
   const TensorView& view = resolved->view;
-  ref_piece_bytes_ = view.kind == MemoryKind::kDevice ? 0 : kExportRefChunkBytes;
+  ref_piece_bytes_ = view.kind == MemoryKind::kDevice ? 0 : host_piece_bytes_;
   engine->ExportSequenceTo(
       sequence_id_,
       Tensor::View(view.data, view.bytes, view.kind == MemoryKind::kDevice, std::move(resolved->lease)),

@@ -58,8 +58,10 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceCh
  public:
   // Starts the export at once (a destination is resolved in engine->regions() first). engine
   // and calls outlive the reactor; metrics may be null.
-  ExportReactor(Engine* engine, const v1::ExportSequenceRequest& request, Metrics* metrics,
-                CallCounter* calls);
+  // host_piece_bytes: K and V bytes per piece of an export into host memory (0: a chunk per
+  // layer).
+  ExportReactor(Engine* engine, const v1::ExportSequenceRequest& request, int64_t host_piece_bytes,
+                Metrics* metrics, CallCounter* calls);
   void OnWriteDone(bool ok) override;
   void OnDone() override;
 
@@ -82,9 +84,10 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceCh
   const uint64_t sequence_id_;
   const ModelConfig config_;    // the pages' type and scales
   const bool by_ref_;            // an export into the request's destination
-  // K and V bytes per piece and chunk of an export into the destination: kExportRefChunkBytes
-  // for host memory; 0 (a chunk per layer) for device memory, whose copies take microseconds,
-  // less than the messages that pieces would add.
+  // K and V bytes per piece and chunk of an export into the destination: host_piece_bytes for
+  // host memory; 0 (a chunk per layer) for device memory, whose copies take microseconds, less
+  // than the messages that pieces would add.
+  const int64_t host_piece_bytes_;
   int64_t ref_piece_bytes_ = 0;
   const v1::TensorRef destination_;
   std::mutex mu_;

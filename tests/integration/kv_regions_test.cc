@@ -403,6 +403,34 @@ TEST_F(KvRegionsTest, ALongExportIntoARegionComesInPieces) {
   EXPECT_EQ(Rows(*again), Rows(*inline_chunks));
 }
 
+// --export_piece_mib sets the pieces: 1 MiB gives 10 chunks for 10 MB, 0 one chunk per layer.
+TEST_F(KvRegionsTest, ThePieceSizeIsTheServersFlag) {
+  constexpr int64_t kTokens = 5000;
+  for (const int32_t mib : {1, 0}) {
+    SCOPED_TRACE(mib);
+    ASSERT_NO_FATAL_FAILURE(
+        StartServer({"--num_pages=256", absl::StrCat("--export_piece_mib=", mib)}));
+    Prefill(1, kTokens);
+    client::SharedMemoryRegion shm = Share("kv", 12 << 20, {client_.get()});
+    auto chunks = client_->ExportSequence(1, client::MakeTensorRef("kv", 0, shm.size()));
+    ASSERT_TRUE(chunks.ok()) << chunks.status();
+    const int64_t piece_tokens = mib == 0 ? kTokens : (int64_t{mib} << 20) / (2 * kRow);
+    ASSERT_EQ(static_cast<int64_t>(chunks->size()), (kTokens + piece_tokens - 1) / piece_tokens);
+    int64_t next = 0;
+    for (const v1::ExportSequenceChunk& c : *chunks) {
+      EXPECT_EQ(c.first_token(), next);
+      EXPECT_EQ(c.num_tokens(), std::min(piece_tokens, kTokens - next));
+      next += c.num_tokens();
+    }
+    EXPECT_EQ(next, kTokens);
+    ASSERT_TRUE(client_->ImportSequence(2, *chunks).ok());
+    auto again = client_->ExportSequence(2);
+    auto original = client_->ExportSequence(1);
+    ASSERT_TRUE(again.ok() && original.ok());
+    EXPECT_EQ(Rows(*again), Rows(*original));
+  }
+}
+
 // An import copies each chunk's rows into its pages as the chunk arrives and holds the chunk's
 // regions only for that copy: once UnregisterMemory returned, the region's bytes may change and
 // the import, finished later, still holds the rows the chunk named.
