@@ -57,6 +57,12 @@ const std::string& Payload() {
   return *payload;
 }
 
+// `bytes` of the static payload as a message (no copy).
+grpc::ByteBuffer PayloadMessage(size_t bytes) {
+  grpc::Slice slice(Payload().data(), bytes, grpc::Slice::STATIC_SLICE);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
 // One call: reads the request, answers with the bytes the method name asks for.
 class Echo final : public grpc::ServerGenericBidiReactor {
  public:
@@ -69,8 +75,7 @@ class Echo final : public grpc::ServerGenericBidiReactor {
       Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "bad method"));
       return;
     }
-    grpc::Slice slice(Payload().data(), bytes, grpc::Slice::STATIC_SLICE);
-    response_ = grpc::ByteBuffer(&slice, 1);
+    response_ = PayloadMessage(bytes);
     StartRead(&request_);
   }
   void OnReadDone(bool ok) override {
@@ -107,8 +112,7 @@ class Down final : public grpc::ServerGenericBidiReactor {
     }
     const size_t n = std::min(left_, kStreamMessageBytes);
     left_ -= n;
-    grpc::Slice slice(Payload().data(), n, grpc::Slice::STATIC_SLICE);
-    message_ = grpc::ByteBuffer(&slice, 1);
+    message_ = PayloadMessage(n);
     StartWrite(&message_);
   }
   size_t left_;
@@ -122,9 +126,8 @@ class Up final : public grpc::ServerGenericBidiReactor {
   Up() { StartRead(&message_); }
   void OnReadDone(bool ok) override {
     if (!ok) {
-      grpc::Slice slice(Payload().data(), std::min(bytes_ >> 20, Payload().size()),
-                        grpc::Slice::STATIC_SLICE);
-      response_ = grpc::ByteBuffer(&slice, 1);  // the MiB received, as a length
+      // The MiB received, as the response's length.
+      response_ = PayloadMessage(std::min(bytes_ >> 20, Payload().size()));
       StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
       return;
     }
@@ -205,8 +208,7 @@ int DecodeFloor(grpc::GenericStub* stub, int calls, const char* via, const std::
   double bare = 0;
   int failures = 0;
   for (const Sizes& s : {Sizes{"bare", 0, 0}, DecodeSizes(1), DecodeSizes(8), DecodeSizes(64)}) {
-    grpc::Slice slice(Payload().data(), s.request, grpc::Slice::STATIC_SLICE);
-    const grpc::ByteBuffer request(&slice, 1);
+    const grpc::ByteBuffer request = PayloadMessage(s.request);
     const std::string method = absl::StrCat(kMethodPrefix, s.response);
     std::vector<double> us;
     for (int i = 0; i < calls + calls / 10; ++i) {  // the first tenth warms up
@@ -273,8 +275,7 @@ class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
     }
     const size_t n = std::min(up_, kStreamMessageBytes);
     up_ -= n;
-    grpc::Slice slice(Payload().data(), n, grpc::Slice::STATIC_SLICE);
-    out_ = grpc::ByteBuffer(&slice, 1);
+    out_ = PayloadMessage(n);
     StartWrite(&out_);
   }
   grpc::ClientContext context_;
