@@ -1,12 +1,19 @@
 #include "tests/integration/integration_test.h"
 
+#include <stdexcept>
+
 namespace pagedattn::testing {
 
 void IntegrationTest::StartServer(const std::vector<std::string>& flags, int32_t num_layers) {
   std::vector<std::string> all = {"--num_pages=64", "--num_layers=1", "--cpu_threads=2"};
   all.insert(all.end(), flags.begin(), flags.end());
   auto server = ServerProcess::Start(all);
-  ASSERT_TRUE(server.ok()) << server.status();
+  if (!server.ok()) {
+    // Fatal for the whole test, not only for this helper (a test going on without its server
+    // would crash the binary): gtest reports the exception and runs the next test.
+    ADD_FAILURE() << server.status();
+    throw std::runtime_error("the server did not start");
+  }
   server_ = *std::move(server);
   client_ = NewClient();
   ASSERT_NE(client_, nullptr);
