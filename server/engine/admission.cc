@@ -40,7 +40,7 @@ void Admission::Append(AppendWork work, Engine::AppendDone done) {
 }
 
 void Admission::Task(std::function<absl::Status()> task,
-                     std::function<void(const absl::Status&)> done) {
+                     std::function<void(absl::Status)> done) {
   auto item = std::make_unique<WorkItem>();
   item->is_decode = false;
   item->num_sequences = batcher_->options().max_batch_size;

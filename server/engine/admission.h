@@ -30,7 +30,7 @@ class Admission {
   void Decode(DecodeWork work, Engine::DecodeDone done);
   void Append(AppendWork work, Engine::AppendDone done);
   // A task (work_item.h) queued as a batch of its own: it counts as a full batch of sequences.
-  void Task(std::function<absl::Status()> task, std::function<void(const absl::Status&)> done);
+  void Task(std::function<absl::Status()> task, std::function<void(absl::Status)> done);
 
   // Stops admission: from now on work is answered UNAVAILABLE at once. Idempotent.
   void Close() { closed_.store(true); }

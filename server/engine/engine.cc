@@ -47,12 +47,12 @@ class BackendRegionMapper final : public RegionMapper {
 // A task's `done` for a caller that wants a value: `value()` once the task succeeded, its
 // error otherwise.
 template <typename Done, typename Value>
-std::function<void(const absl::Status&)> Answer(Done done, Value value) {
-  return [done = std::move(done), value = std::move(value)](const absl::Status& s) {
+std::function<void(absl::Status)> Answer(Done done, Value value) {
+  return [done = std::move(done), value = std::move(value)](absl::Status s) {
     if (s.ok()) {
       done(value());
     } else {
-      done(s);
+      done(std::move(s));
     }
   };
 }
@@ -313,7 +313,7 @@ void Engine::Impl::ImportRows(std::shared_ptr<PendingImport> import, const Seque
         return tiers_->WriteRows(import->pages, span);
       },
       // The span's memory is released only after the copy.
-      [holder = std::move(holder), done = std::move(done)](const absl::Status& s) { done(s); });
+      [holder = std::move(holder), done = std::move(done)](absl::Status s) { done(std::move(s)); });
 }
 
 void Engine::Impl::EndImport(std::shared_ptr<PendingImport> import, bool commit, ImportDone done) {
@@ -352,7 +352,7 @@ void Engine::Impl::OffloadSequence(uint64_t id, StatusDone done) {
         if (s.ok()) PublishPoolLocked();
         return s;
       },
-      [done = std::move(done)](const absl::Status& s) { done(s); });
+      [done = std::move(done)](absl::Status s) { done(std::move(s)); });
 }
 
 absl::Status Engine::Impl::CreateSequence(uint64_t id) {

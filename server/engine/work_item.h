@@ -30,7 +30,7 @@ struct WorkItem final : BatchItem {
   // A task (export, import, offload): run by the step builder under the state lock in place of
   // a Decode or AppendKV, alone in its batch; task_done gets its status.
   std::function<absl::Status()> task;
-  std::function<void(const absl::Status&)> task_done;
+  std::function<void(absl::Status)> task_done;
 
   absl::Status status;     // the item's outcome (OK: computed with the batch)
   bool in_launch = false;  // part of the backend batch
@@ -41,10 +41,12 @@ struct WorkItem final : BatchItem {
   absl::Time deadline() const { return is_decode ? decode.deadline : append.deadline; }
 
   // Runs the callback with the outcome (outputs copied out of the host block, which goes back
-  // to the backend before the response does). At most once per item.
+  // to the backend before the response does). At most once per item. The status is moved into
+  // the answer: the completing thread keeps no reference to an error it hands over, so the
+  // receiver's is the last (and the receiver's thread frees it).
   void Complete() {
     if (task) {
-      if (task_done) task_done(status);
+      if (task_done) task_done(std::move(status));
     } else if (is_decode) {
       if (!decode_done) return;
       if (status.ok() && block) {
@@ -55,13 +57,13 @@ struct WorkItem final : BatchItem {
       if (status.ok()) {
         decode_done(std::move(output));
       } else {
-        decode_done(status);
+        decode_done(std::move(status));
       }
     } else if (append_done) {
       if (status.ok()) {
         append_done(length);
       } else {
-        append_done(status);
+        append_done(std::move(status));
       }
     }
   }
