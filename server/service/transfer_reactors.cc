@@ -22,7 +22,6 @@ ExportReactor::ExportReactor(Engine* engine, const v1::ExportSequenceRequest& re
       sequence_id_(request.sequence_id()),
       config_(engine->config()),
       by_ref_(request.has_destination()),
-      host_piece_bytes_(host_piece_bytes),
       destination_(request.destination()) {
   calls_->Begin();
   if (!by_ref_) {
@@ -42,7 +41,7 @@ ExportReactor::ExportReactor(Engine* engine, const v1::ExportSequenceRequest& re
     return;
   }
   const TensorView& view = resolved->view;
-  ref_piece_bytes_ = view.kind == MemoryKind::kDevice ? 0 : host_piece_bytes_;
+  ref_piece_bytes_ = view.kind == MemoryKind::kDevice ? 0 : host_piece_bytes;
   engine->ExportSequenceTo(
       sequence_id_,
       Tensor::View(view.data, view.bytes, view.kind == MemoryKind::kDevice, std::move(resolved->lease)),

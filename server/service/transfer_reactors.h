@@ -87,7 +87,6 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceCh
   // K and V bytes per piece and chunk of an export into the destination: host_piece_bytes for
   // host memory; 0 (a chunk per layer) for device memory, whose copies take microseconds, less
   // than the messages that pieces would add.
-  const int64_t host_piece_bytes_;
   int64_t ref_piece_bytes_ = 0;
   const v1::TensorRef destination_;
   std::mutex mu_;
