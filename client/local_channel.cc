@@ -43,6 +43,7 @@ absl::StatusOr<std::unique_ptr<LocalChannel>> LocalChannel::Open(Client* client,
   request.set_submission_capacity(options.submission_capacity);
   request.set_completion_capacity(options.completion_capacity);
   for (const std::string& name : options.owned_regions) request.add_owned_regions(name);
+  request.set_gpu_sync(options.gpu_sync);
   v1::OpenLocalChannelResponse response;
   {
     auto context = client->NewContext();
@@ -59,7 +60,8 @@ absl::StatusOr<std::unique_ptr<LocalChannel>> LocalChannel::Open(Client* client,
   const uint32_t sc = response.submission_capacity();
   const uint32_t cc = response.completion_capacity();
   if (response.layout_version() != local::kLayoutVersion || !local::ValidCapacity(sc) ||
-      !local::ValidCapacity(cc) || response.segment_bytes() != local::SegmentBytes(sc, cc)) {
+      !local::ValidCapacity(cc) ||
+      response.segment_bytes() != local::SegmentBytes(sc, cc, options.gpu_sync)) {
     (void)channel->Close();
     return absl::FailedPreconditionError(absl::StrCat(
         "the server's local channel layout (version ", response.layout_version(),
@@ -88,8 +90,16 @@ absl::StatusOr<std::unique_ptr<LocalChannel>> LocalChannel::Open(Client* client,
   channel->header_ = h;
   if (h->magic != local::kMagic || h->version != local::kLayoutVersion || h->submit_capacity != sc ||
       h->complete_capacity != cc || h->submit_offset != local::SubmitOffset() ||
-      h->complete_offset != local::CompleteOffset(sc)) {
+      h->complete_offset != local::CompleteOffset(sc) || h->gpu_sync != (options.gpu_sync ? 1u : 0u) ||
+      (options.gpu_sync && h->sync_offset != local::SyncOffset(sc, cc))) {
     return absl::FailedPreconditionError("the local channel segment's header does not match");
+  }
+  channel->submit_capacity_ = sc;
+  if (options.gpu_sync) {
+    channel->sync_area_ = static_cast<char*>(base) + h->sync_offset;
+    channel->sync_bytes_ = local::SyncBytes(sc);
+    channel->ready_ = reinterpret_cast<uint32_t*>(channel->sync_area_);
+    channel->done_ = channel->ready_ + sc;
   }
   char* bytes = static_cast<char*>(base);
   channel->submissions_ = local::RingProducer<local::SubmitSlot>(
@@ -155,14 +165,29 @@ absl::Status LocalChannel::ChannelStateError() const {
   if (server_gone_) return absl::UnavailableError("the server exited");
   const uint32_t state = std::atomic_ref<uint32_t>(header_->state).load(std::memory_order_acquire);
   if (state == local::kBroken) {
-    return absl::DataLossError("the server closed the local channel: its rings were corrupted");
+    return absl::DataLossError(
+        "the server broke the local channel: its rings were corrupted, or a GPU-synchronised "
+        "submission was not signalled in time");
   }
   if (state != local::kOpen || closed_) return absl::UnavailableError("the local channel is closed");
   return absl::OkStatus();
 }
 
-absl::Status LocalChannel::Submit(const v1::DecodeRequest& request) {
+absl::Status LocalChannel::Submit(const v1::DecodeRequest& request) { return Submit(request, 0); }
+
+absl::Status LocalChannel::Submit(const v1::DecodeRequest& request, uint32_t sync_flags) {
   if (absl::Status s = ChannelStateError(); !s.ok()) return s;
+  if (sync_flags != 0) {
+    if (sync_area_ == nullptr) {
+      return absl::FailedPreconditionError("GPU synchronisation needs a channel opened with gpu_sync");
+    }
+    if ((sync_flags & ~(local::kSubmitWaitReady | local::kSubmitSignalDone)) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown sync flags ", sync_flags));
+    }
+    if (in_flight_ >= static_cast<int64_t>(submit_capacity_)) {
+      return absl::ResourceExhaustedError("submit capacity submissions are outstanding");
+    }
+  }
   uint64_t free_slots = 0;
   const local::RingResult room = submissions_.Free(&free_slots);
   if (room == local::RingResult::kBroken) return absl::DataLossError("submission ring head is corrupted");
@@ -170,6 +195,7 @@ absl::Status LocalChannel::Submit(const v1::DecodeRequest& request) {
     return absl::ResourceExhaustedError("the submission ring is full");
   }
   if (absl::Status s = Fill(request, submissions_.slot()); !s.ok()) return s;
+  submissions_.slot()->flags = sync_flags;
   submissions_.Publish();
   ++in_flight_;
   local::WakeIfSleeping(&header_->server_sleeping, &header_->server_futex);

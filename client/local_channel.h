@@ -39,6 +39,9 @@ class LocalChannel {
     // Registered regions the channel owns: the server unregisters them when it closes.
     std::vector<std::string> owned_regions{};
     absl::Duration spin = absl::Microseconds(50);  // busy wait before sleeping on the futex
+    // GPU synchronisation (CUDA servers): the segment gets the sync area (see
+    // server/local/ring_layout.h; client/gpu_sync.h maps it for this process's GPU).
+    bool gpu_sync = false;
   };
 
   struct Completion {
@@ -61,6 +64,19 @@ class LocalChannel {
   // Puts `request` on the submission ring without waiting. RESOURCE_EXHAUSTED when the ring is
   // full (the server has not taken earlier submissions yet); INVALID_ARGUMENT as Decode.
   absl::Status Submit(const v1::DecodeRequest& request);
+  // The same with GPU synchronisation flags (local::kSubmitWaitReady, kSubmitSignalDone) on a
+  // gpu_sync channel (FAILED_PRECONDITION otherwise). The submission gets number
+  // next_submission() (its sync words); RESOURCE_EXHAUSTED while submit capacity submissions
+  // are outstanding, so that no words still in use are reused.
+  absl::Status Submit(const v1::DecodeRequest& request, uint32_t sync_flags);
+  uint32_t submit_capacity() const { return submit_capacity_; }
+  // The number the next submission gets.
+  uint64_t next_submission() const { return submissions_.tail(); }
+  // gpu_sync: the sync area (both words of every slot) and submission n's words in it.
+  char* sync_area() const { return sync_area_; }
+  uint64_t sync_bytes() const { return sync_bytes_; }
+  uint32_t* ready_word(uint64_t n) const { return ready_ + (n & (submit_capacity_ - 1)); }
+  uint32_t* done_word(uint64_t n) const { return done_ + (n & (submit_capacity_ - 1)); }
   // The next completion, waiting up to `timeout`; DEADLINE_EXCEEDED when none came,
   // UNAVAILABLE when the channel closed (DATA_LOSS when the server found it broken).
   absl::StatusOr<Completion> Next(absl::Duration timeout);
@@ -97,6 +113,11 @@ class LocalChannel {
   local::RingConsumer<local::CompleteSlot> completions_;
   std::deque<Completion> stashed_;  // completions Decode read for other request ids
   int64_t in_flight_ = 0;
+  uint32_t submit_capacity_ = 0;
+  char* sync_area_ = nullptr;  // gpu_sync only
+  uint64_t sync_bytes_ = 0;
+  uint32_t* ready_ = nullptr;
+  uint32_t* done_ = nullptr;
   bool closed_ = false;
   int server_pidfd_ = -1;  // -1: not watched (pidfd_open failed)
   bool server_gone_ = false;

@@ -119,6 +119,9 @@ ABSL_FLAG(std::string, local_channels, "on",
           "on|off: OpenLocalChannel (Decode steps through shared-memory rings) for callers on a "
           "Unix socket or loopback; others get PERMISSION_DENIED");
 ABSL_FLAG(int32_t, max_local_channels, 64, "Local channels open at once (1..126)");
+ABSL_FLAG(int64_t, local_gpu_sync_timeout_ms, 2000,
+          "gpu_sync local channels: how long the server's streams wait for a caller's ready word "
+          "before the server writes it itself and breaks the channel (ms, > 0)");
 ABSL_FLAG(int64_t, local_spin_us, 50,
           "How long the local channel poller spins after its last work before it sleeps");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10),
@@ -397,6 +400,8 @@ int Serve() {
     server_options.local_channels = local == "on";
     server_options.local.max_channels = absl::GetFlag(FLAGS_max_local_channels);
     server_options.local.spin = absl::Microseconds(absl::GetFlag(FLAGS_local_spin_us));
+    server_options.local.gpu_sync_timeout =
+        absl::Milliseconds(absl::GetFlag(FLAGS_local_gpu_sync_timeout_ms));
   }
   absl::StatusOr<std::unique_ptr<GrpcServer>> server =
       GrpcServer::Start(server_options, engine->get(), &metrics);

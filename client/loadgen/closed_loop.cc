@@ -8,6 +8,9 @@
 #include "absl/synchronization/notification.h"
 #include "client/local_channel.h"
 #include "client/loadgen/run_state.h"
+#ifdef PAGEDATTN_LOADGEN_CUDA
+#include "client/gpu_sync.h"
+#endif
 
 namespace pagedattn::loadgen {
 namespace {
@@ -43,6 +46,14 @@ class Caller {
 
   // False when the stream broke (the caller's batches are retired then).
   bool RunStream(const Phase& phase, client::DecodeStream* stream);
+
+#ifdef PAGEDATTN_LOADGEN_CUDA
+  // Over the local channel with its steps ordered on the GPU (--local_gpu_sync): submission n's
+  // ready word is written by `sync`'s stream after it waited for submission n-1's outputs, so
+  // the server runs the layers one after the other as a model would, while the host keeps up
+  // to stream_in_flight submissions queued. False when the channel failed.
+  bool RunLocalSynced(const Phase& phase, const client::GpuSync& sync);
+#endif
 
   Samples TakeSamples() { return std::move(samples_); }
   const std::vector<int32_t>& batches() const { return batches_; }
@@ -192,6 +203,80 @@ bool Caller::RunStream(const Phase& phase, client::DecodeStream* stream) {
   }
 }
 
+#ifdef PAGEDATTN_LOADGEN_CUDA
+bool Caller::RunLocalSynced(const Phase& phase, const client::GpuSync& sync) {
+  const int64_t total = phase.steps_per_batch * static_cast<int64_t>(batches_.size());
+  const size_t in_flight = static_cast<size_t>(std::max(1, state_.options.stream_in_flight));
+  std::deque<Pending> pending;
+  int32_t batch = -1;
+  int32_t layer = 0;
+  SteadyClock::time_point step_start;
+  int64_t started = 0;
+  bool sending = true;
+  while (true) {
+    while (sending && pending.size() < in_flight) {
+      if (batch < 0) {
+        if (!MoreSteps(phase, started, total) || !NextBatch(&batch)) {
+          sending = false;
+          break;
+        }
+        ++started;
+        layer = 0;
+        step_start = SteadyClock::now();
+      }
+      Pending p;
+      p.batch = batch;
+      p.layer = layer;
+      p.request_id = ++request_id_;
+      p.step_start = step_start;
+      p.slot = first_slot_ + static_cast<int32_t>(p.request_id % static_cast<uint64_t>(state_.slots_per_caller));
+      v1::DecodeRequest request = MakeDecodeRequest(state_, batch, layer, p.request_id, &p.tickets, p.slot);
+      const uint64_t n = local_->next_submission();
+      absl::Status s = sync.MarkReady(nullptr, n);
+      if (s.ok()) s = local_->Submit(request, local::kSubmitWaitReady | local::kSubmitSignalDone);
+      if (s.ok()) s = sync.WaitDone(nullptr, n);
+      if (!s.ok()) {
+        state_.CountError(s);
+        return false;
+      }
+      p.sent = SteadyClock::now();
+      pending.push_back(std::move(p));
+      if (++layer == state_.num_layers) batch = -1;
+    }
+    if (pending.empty()) return true;
+    absl::StatusOr<client::LocalChannel::Completion> done = local_->Next(absl::Seconds(30));
+    if (!done.ok()) {
+      state_.CountError(done.status());
+      return false;
+    }
+    const SteadyClock::time_point t1 = SteadyClock::now();
+    Pending p = std::move(pending.front());
+    pending.pop_front();
+    absl::Status status = done->status;
+    if (status.ok()) {
+      v1::DecodeResponse response;
+      response.set_request_id(done->request_id);
+      status = done->request_id != p.request_id
+                   ? absl::InternalError("the local channel answered out of order")
+                   : TakeDecodeResponse(state_, p.batch, p.layer, response, p.tickets, p.slot);
+    }
+    if (!status.ok()) {
+      state_.CountError(status);
+      RetireBatch(p.batch, status);
+      if (batch == p.batch) batch = -1;
+      continue;
+    }
+    if (phase.timed) {
+      samples_.Add("Decode", SecondsBetween(p.sent, t1));
+      if (p.layer == state_.num_layers - 1) {
+        samples_.Add("step", SecondsBetween(p.step_start, t1));
+        state_.steps_done.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 void WarmupUnary(RunState& state, int32_t threads) {
@@ -233,13 +318,24 @@ absl::Status RunClosedLoop(RunState& state, const std::function<void()>& start_t
   std::vector<std::unique_ptr<client::LocalChannel>> channels;
   if (state.options.transport == "local") {
     for (int32_t c = 0; c < callers; ++c) {
-      absl::StatusOr<std::unique_ptr<client::LocalChannel>> channel =
-          client::LocalChannel::Open(state.CallerClient(static_cast<size_t>(c)),
-                                     {.spin = state.options.local_spin});
+      absl::StatusOr<std::unique_ptr<client::LocalChannel>> channel = client::LocalChannel::Open(
+          state.CallerClient(static_cast<size_t>(c)),
+          {.spin = state.options.local_spin, .gpu_sync = state.options.local_gpu_sync});
       if (!channel.ok()) return channel.status();
       channels.push_back(*std::move(channel));
     }
   }
+#ifdef PAGEDATTN_LOADGEN_CUDA
+  std::vector<std::unique_ptr<client::GpuSync>> syncs;
+  if (state.options.local_gpu_sync) {
+    for (auto& channel : channels) {
+      absl::StatusOr<std::unique_ptr<client::GpuSync>> sync =
+          client::GpuSync::Map(channel.get(), state.options.cuda_device);
+      if (!sync.ok()) return sync.status();
+      syncs.push_back(*std::move(sync));
+    }
+  }
+#endif
   std::vector<std::unique_ptr<Caller>> all;
   for (int32_t c = 0; c < callers; ++c) {
     std::vector<int32_t> mine;
@@ -278,6 +374,14 @@ absl::Status RunClosedLoop(RunState& state, const std::function<void()>& start_t
           for (const int32_t b : caller->batches()) state.Retire(b, finish);
         }
       } else {
+#ifdef PAGEDATTN_LOADGEN_CUDA
+        if (!syncs.empty()) {
+          if (!caller->RunLocalSynced(timed, *syncs[static_cast<size_t>(c)])) {
+            for (const int32_t b : caller->batches()) state.Retire(b, absl::UnavailableError("local channel failed"));
+          }
+          return;
+        }
+#endif
         caller->RunUnary(timed);
       }
     });

@@ -37,6 +37,12 @@ absl::Status Validate(const LoadGenOptions& o, const v1::GetModelConfigResponse&
     return absl::InvalidArgumentError(
         "--transport=local needs --tensors=system or cuda, --mode=closed and --api=unary");
   }
+  if (o.local_gpu_sync && (o.transport != "local" || o.tensors != "cuda")) {
+    return absl::InvalidArgumentError("--local_gpu_sync needs --transport=local and --tensors=cuda");
+  }
+#ifndef PAGEDATTN_LOADGEN_CUDA
+  if (o.local_gpu_sync) return absl::FailedPreconditionError("--local_gpu_sync needs a build with CUDA");
+#endif
   if (o.concurrency < 1) return absl::InvalidArgumentError("concurrency must be >= 1");
   if (o.batch_size < 1 || o.batch_size > config.max_batch_size()) {
     return absl::InvalidArgumentError(absl::StrCat("batch_size must be in 1..", config.max_batch_size(),
@@ -228,7 +234,8 @@ absl::StatusOr<Json> RunLoad(const LoadGenOptions& o, client::Client* client,
   state.pool = std::make_unique<RandomPool>(std::max<int64_t>(16 << 20, 4 * largest_slice), o.seed,
                                             kernels::DTypeName(state.shape.dtype));
   if (o.tensors != "inline") {
-    state.slots_per_caller = o.api == "stream" ? std::max(1, o.stream_in_flight) : 1;
+    state.slots_per_caller =
+        o.api == "stream" || o.local_gpu_sync ? std::max(1, o.stream_in_flight) : 1;
     absl::StatusOr<std::unique_ptr<TensorSlots>> slots =
         TensorSlots::Create(o.tensors, client, state.shape, o.concurrency * state.slots_per_caller,
                             o.batch_size, o.cuda_device, *state.pool);

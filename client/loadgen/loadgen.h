@@ -56,6 +56,10 @@ struct LoadGenOptions {
   std::string transport = "grpc";
   // local: how long a caller busy-waits for its completion before it sleeps on the futex.
   absl::Duration local_spin = absl::Milliseconds(2);
+  // local with tensors cuda (CUDA builds): each caller's layer steps are ordered on its GPU
+  // through the channel's sync words (client/gpu_sync.h) instead of on its host, with up to
+  // stream_in_flight submissions outstanding.
+  bool local_gpu_sync = false;
   int32_t max_retries = 10;          // UNAVAILABLE answers retried per request
   std::string metrics_address;       // the server's Prometheus host:port; empty: not read
   // GetModelConfig round trips timed before the timed phase: the RPC floor of this client and

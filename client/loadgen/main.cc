@@ -74,6 +74,9 @@ ABSL_FLAG(std::string, transport, "grpc",
           "rings; needs --tensors=system|cuda, the closed loop and --api=unary)");
 ABSL_FLAG(int64_t, local_spin_us, 2000,
           "--transport=local: how long a caller busy-waits for its completion before it sleeps");
+ABSL_FLAG(bool, local_gpu_sync, false,
+          "--transport=local --tensors=cuda: order each caller's steps on its GPU through the channel's "
+          "sync words (no host round trip per layer), with --stream_in_flight submissions outstanding");
 ABSL_FLAG(int32_t, cuda_device, 0, "--tensors=cuda: the CUDA device of the registered memory");
 ABSL_FLAG(int32_t, max_retries, 10, "Retries of a Decode answered UNAVAILABLE");
 
@@ -132,6 +135,7 @@ pagedattn::loadgen::LoadGenOptions OptionsFromFlags() {
   o.tensors = absl::GetFlag(FLAGS_tensors);
   o.transport = absl::GetFlag(FLAGS_transport);
   o.local_spin = absl::Microseconds(absl::GetFlag(FLAGS_local_spin_us));
+  o.local_gpu_sync = absl::GetFlag(FLAGS_local_gpu_sync);
   o.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   o.max_retries = absl::GetFlag(FLAGS_max_retries);
   o.metrics_address = absl::GetFlag(FLAGS_metrics_address);

@@ -9,6 +9,8 @@
 #   b1_ctx512_c1_{grpc,local}     one caller, B=1 x 512        [local p50 <= kernel + 15 us]
 #   l56_b64_ctx4096_{grpc,local}  56 layers per step, B=64     [step <= 1.2 x 56 kernels]
 #   b64_ctx4096_c2_local          two callers, B=64 each       [>= 0.97 of kernel-alone throughput]
+#   *_gsync                       the same over local channels with the steps ordered on the
+#                                 callers' GPU (--local_gpu_sync, 4 submissions outstanding)
 # Writes OUT_DIR/<run>.json and summary.txt. SMOKE=1: tiny shapes on a CPU-backend server with
 # system regions, to try the script without a GPU. SERVER: the server binary's name in BUNDLE/bin
 # (default pagedattn-server), to measure a variant; L56=0 leaves out the 56-layer runs.
@@ -55,6 +57,12 @@ for transport in grpc local; do
 done
 run "b${b}_ctx${ctx}_c2_local" --transport=local --concurrency=2 --batch_size=$b --context_len=$ctx \
   --warmup_steps=20 --steps=$steps
+if [[ $tensors == cuda ]]; then
+  run "b${b}_ctx${ctx}_c1_gsync" --transport=local --local_gpu_sync --stream_in_flight=4 --concurrency=1 \
+    --batch_size=$b --context_len=$ctx --warmup_steps=20 --steps=$steps --check_sequences=4 --check_decodes=32
+  run "b${b}_ctx${ctx}_c2_gsync" --transport=local --local_gpu_sync --stream_in_flight=4 --concurrency=2 \
+    --batch_size=$b --context_len=$ctx --warmup_steps=20 --steps=$steps
+fi
 stop_server
 if [[ ${L56:-1} != 0 ]]; then
   start_server l56 56 $l56_pages
@@ -62,7 +70,11 @@ if [[ ${L56:-1} != 0 ]]; then
     run "l56_b${b}_ctx${ctx}_$transport" --transport=$transport --concurrency=1 --batch_size=$b \
       --context_len=$ctx --warmup_steps=2 --steps=$l56_steps --check_sequences=2 --check_decodes=16
   done
+  if [[ $tensors == cuda ]]; then
+    run "l56_b${b}_ctx${ctx}_gsync" --transport=local --local_gpu_sync --stream_in_flight=4 --concurrency=1 \
+      --batch_size=$b --context_len=$ctx --warmup_steps=2 --steps=$l56_steps --check_sequences=2 --check_decodes=16
+  fi
   stop_server
 fi
 rm -f "$socket"
-grep -E "^==|latency|kernel mean|check|!!" "$out/summary.txt"
+grep -E "^==|latency|kernel mean|throughput|check|!!" "$out/summary.txt"

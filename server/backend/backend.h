@@ -67,6 +67,16 @@ struct BackendBatch {
   // step's token during that step's own attention instead of before the batch's attention.
   bool sequences_distinct = false;
 
+  // GPU synchronisation with callers (a backend with a device only): before reading any of the
+  // batch's tensors its work waits until each `waits` word reaches its token (cyclic >=); after
+  // the outputs are written it stores each `signals` token. Addresses are device addresses of
+  // memory mapped for the device (Backend::MapSyncWords).
+  struct SyncWord {
+    uint64_t address = 0;
+    uint32_t token = 0;
+  };
+  std::vector<SyncWord> waits, signals;
+
   // Set by the backend when Wait returns OK: seconds the attention took (0 without attention).
   double kernel_seconds = 0.0;
   // Set by a backend that stages through host buffers (the CUDA one; 0 elsewhere), for the
@@ -92,6 +102,8 @@ struct BackendBatch {
     output.clear();
     lse.clear();
     sequences_distinct = false;
+    waits.clear();
+    signals.clear();
     kernel_seconds = 0.0;
     plan_seconds = 0.0;
     pack_seconds = 0.0;
@@ -206,6 +218,13 @@ class Backend {
   // cannot be. The default does nothing.
   virtual absl::Status PinHostMemory(char* /*data*/, int64_t /*bytes*/) { return absl::OkStatus(); }
   virtual void UnpinHostMemory(char* /*data*/) {}
+  // Maps `bytes` of host memory at `data` (page aligned) for the device and returns its device
+  // address, for BackendBatch::waits and signals. FAILED_PRECONDITION on a backend without a
+  // device (this one) or when the runtime refuses.
+  virtual absl::StatusOr<uint64_t> MapSyncWords(char* /*data*/, int64_t /*bytes*/) {
+    return absl::FailedPreconditionError("GPU synchronisation needs the CUDA backend");
+  }
+  virtual void UnmapSyncWords(char* /*data*/) {}
 
   // Whether Wait(batch), for the batch launched earliest and not yet waited, would return
   // without blocking on the device (it is done, or the backend failed). Never blocks; called

@@ -158,6 +158,8 @@ class CudaBackend final : public Backend {
   // overlaps pinned memory already is FAILED_PRECONDITION.
   absl::Status PinHostMemory(char* data, int64_t bytes) override;
   void UnpinHostMemory(char* data) override;
+  absl::StatusOr<uint64_t> MapSyncWords(char* data, int64_t bytes) override;
+  void UnmapSyncWords(char* data) override;
 
   // Page transfers (backend.h), cuda_backend_pages.cc: pinned host memory (cudaHostAlloc), and
   // one cudaMemcpyAsync per run and K/V on a transfer stream of their own, behind the pool work

@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/strings/string_view.h"
 #include "pagedattn/kernels/cuda_decode.h"
+#include "pagedattn/kernels/stream_words.h"
 #include "server/backend/copy_list.h"
 #include "server/backend/cuda_backend.h"
 #include "server/backend/cuda_launch_plan.h"
@@ -113,6 +114,9 @@ struct CudaBackend::Impl {
   LaunchPlanOptions plan_options;         // from options and the ring, set by Allocate
   LaunchPlan launch_plan;                 // scratch of Launch: the batch's plan
   int64_t launches = 0;                   // batches enqueued (which of them record `begin`)
+  // The driver's stream word operations (BackendBatch::waits, signals), loaded at first use.
+  const kernels::StreamWords* stream_words = nullptr;
+  absl::Status LoadStreamWords();
 
   // Memory clients registered (cuda_backend_memory.cc): changed on RPC threads under
   // regions_mu; Launch plans with its own copy, `ranges`, re-read when regions_version moved.

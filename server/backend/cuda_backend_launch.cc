@@ -73,6 +73,13 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch,
   // The begin event (the device_in stage) costs a call before the row copies: one batch in
   // kDeviceInEvery records it.
   slot.timed_in = launches++ % kDeviceInEvery == 0;
+  // Callers' GPU work that produces the batch's tensors: nothing of the batch runs before it.
+  if (!batch.waits.empty() || !batch.signals.empty()) {
+    PA_RETURN_IF_ERROR(LoadStreamWords());
+  }
+  for (const BackendBatch::SyncWord& w : batch.waits) {
+    PA_CUDA_RETURN_IF_ERROR(stream_words->Wait(stream, w.address, w.token));
+  }
   for (size_t i = 0; i < lp.rounds.size(); ++i) {
     if (i > 0) PA_RETURN_IF_ERROR(WaitEvent(slot.staged, "waiting for a staging round"));
     PA_RETURN_IF_ERROR(StageRound(slot, batch, i, refused));
@@ -106,6 +113,10 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch,
       PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(run.host, slot.dev_out + run.offset, run.bytes,
                                               cudaMemcpyDefault, stream));
     }
+  }
+  // The outputs are in place: callers' streams waiting for them may go on.
+  for (const BackendBatch::SyncWord& w : batch.signals) {
+    PA_CUDA_RETURN_IF_ERROR(stream_words->Write(stream, w.address, w.token));
   }
   PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.done, stream));
   return absl::OkStatus();

@@ -195,4 +195,46 @@ void CudaBackend::UnpinHostMemory(char* data) {
   cudaGetLastError();
 }
 
+absl::Status CudaBackend::Impl::LoadStreamWords() {
+  if (stream_words != nullptr) return absl::OkStatus();
+  if (const cudaError_t e = kernels::StreamWords::Load(&stream_words); e != cudaSuccess) {
+    stream_words = nullptr;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the driver offers no stream memory operations (cuStreamWaitValue32): ",
+        cudaGetErrorString(e)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> CudaBackend::MapSyncWords(char* data, int64_t bytes) {
+  Impl& d = *impl_;
+  if (!d.initialized) return absl::FailedPreconditionError("backend not initialized");
+  if (data == nullptr || bytes <= 0) {
+    return absl::FailedPreconditionError("mapping sync words needs memory and bytes > 0");
+  }
+  if (cudaError_t e = cudaSetDevice(d.options.device); e != cudaSuccess) {
+    return Refused("cudaSetDevice", e);
+  }
+  // Checked here so that a caller learns at open time, not at its first step.
+  if (absl::Status s = d.LoadStreamWords(); !s.ok()) return s;
+  if (cudaError_t e = cudaHostRegister(data, static_cast<size_t>(bytes),
+                                       cudaHostRegisterMapped | cudaHostRegisterPortable);
+      e != cudaSuccess) {
+    return Refused(absl::StrCat("cudaHostRegister (mapped) of ", bytes, " bytes"), e);
+  }
+  void* device = nullptr;
+  if (cudaError_t e = cudaHostGetDevicePointer(&device, data, 0); e != cudaSuccess) {
+    cudaHostUnregister(data);
+    cudaGetLastError();
+    return Refused("cudaHostGetDevicePointer", e);
+  }
+  return reinterpret_cast<uint64_t>(device);
+}
+
+void CudaBackend::UnmapSyncWords(char* data) {
+  cudaSetDevice(impl_->options.device);
+  cudaHostUnregister(data);
+  cudaGetLastError();
+}
+
 }  // namespace pagedattn

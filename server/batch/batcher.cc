@@ -42,7 +42,11 @@ size_t Batcher::PrefixLocked(bool* can_grow) const {
   for (; n < queue_.size(); ++n) {
     const BatchItem& item = *queue_[n];
     const bool scale_fits = item.sm_scale == 0.0f || scale == 0.0f || item.sm_scale == scale;
-    if (!scale_fits || sequences + item.num_sequences > options_.max_batch_size) {
+    bool group_fits = true;
+    if (item.sync_group != 0) {
+      for (size_t i = 0; i < n && group_fits; ++i) group_fits = queue_[i]->sync_group != item.sync_group;
+    }
+    if (!scale_fits || !group_fits || sequences + item.num_sequences > options_.max_batch_size) {
       *can_grow = false;
       break;
     }

@@ -2,7 +2,9 @@
 //
 // A batch is always a prefix of the queue, so items run in the order they were admitted. It
 // grows while the next item fits: at most max_batch_size sequences in all, and one sm_scale
-// (the kernel takes one scalar; an item with sm_scale 0, e.g. an append, fits any batch). A
+// (the kernel takes one scalar; an item with sm_scale 0, e.g. an append, fits any batch), and at
+// most one item of each sync group (a GPU-synchronised caller's next item may wait on the
+// device for the previous one's outputs, so the two must not share a launch). A
 // batch is ready when it cannot grow (full, or the next item does not fit), when its oldest item
 // has waited max_queue_delay, or once the batcher is closed (draining).
 //
@@ -30,6 +32,7 @@ struct BatchItem {
   int32_t num_sequences = 1;  // counts toward max_batch_size; 1..max_batch_size
   float sm_scale = 0.0f;      // the batch's kernel scale; 0: no attention, fits any batch
   absl::Time enqueue_time;    // set by Enqueue
+  uint64_t sync_group = 0;    // != 0: no two items of the group in one batch
 };
 
 class Batcher {

@@ -19,6 +19,7 @@ void Admission::Decode(DecodeWork work, Engine::DecodeDone done) {
   item->is_decode = true;
   item->num_sequences = static_cast<int32_t>(b);
   item->sm_scale = work.sm_scale;
+  item->sync_group = work.sync_group;
   item->decode_kv = !work.k.empty();
   item->decode = std::move(work);
   item->decode_done = std::move(done);

@@ -86,6 +86,7 @@ class Engine::Impl {
     return health_;
   }
   MemoryRegistry* regions() { return regions_.get(); }
+  Backend* backend() { return backend_.get(); }
   absl::Status CreateSequence(uint64_t id);
   absl::Status ForkSequence(uint64_t parent, uint64_t child);
   absl::Status ReleaseSequence(uint64_t id);
@@ -438,6 +439,10 @@ ModelConfig Engine::config() const { return impl_->config(); }
 EngineStats Engine::GetStats() const { return impl_->GetStats(); }
 absl::Status Engine::health() const { return impl_->health(); }
 MemoryRegistry* Engine::regions() { return impl_->regions(); }
+absl::StatusOr<uint64_t> Engine::MapSyncWords(char* data, int64_t bytes) {
+  return impl_->backend()->MapSyncWords(data, bytes);
+}
+void Engine::UnmapSyncWords(char* data) { impl_->backend()->UnmapSyncWords(data); }
 absl::Status Engine::CreateSequence(uint64_t id) { return impl_->CreateSequence(id); }
 absl::Status Engine::ForkSequence(uint64_t parent, uint64_t child) {
   return impl_->ForkSequence(parent, child);

@@ -174,6 +174,16 @@ struct DecodeWork {
   float sm_scale = 0.0f;               // resolved by the service: never 0
   absl::Time deadline = absl::InfiniteFuture();
   CancelFlag cancelled;                // may be null
+  // GPU synchronisation with the caller (a local channel opened with gpu_sync; CUDA backend):
+  // before the batch reads any tensor its stream waits until the 32-bit word at device address
+  // wait_word reaches wait_token (cyclic >=); once the outputs are written it stores
+  // signal_token at signal_word. Address 0: no wait, no signal. Items of one sync_group (the
+  // channel) never share a batch.
+  uint64_t sync_group = 0;
+  uint64_t wait_word = 0;
+  uint32_t wait_token = 0;
+  uint64_t signal_word = 0;
+  uint32_t signal_token = 0;
 };
 
 struct DecodeOutput {
@@ -237,6 +247,10 @@ class Engine {
   // The memory regions clients registered, mapped through this engine's backend (CUDA regions
   // opened for its device, system regions pinned for it). Lives as long as the engine.
   MemoryRegistry* regions();
+  // Host memory mapped for the device, for DecodeWork's sync words (Backend::MapSyncWords):
+  // its device address. FAILED_PRECONDITION on the CPU backend.
+  absl::StatusOr<uint64_t> MapSyncWords(char* data, int64_t bytes);
+  void UnmapSyncWords(char* data);
 
   absl::Status CreateSequence(uint64_t sequence_id);
   absl::Status ForkSequence(uint64_t parent_id, uint64_t child_id);

@@ -157,6 +157,8 @@ absl::Status StepBuilder::AddDecode(SequenceTable& table, BlockAllocator& alloca
     batch->lse.push_back(lse + i * options_.model.num_qo_heads);
   }
   batch->sm_scale = item->sm_scale;
+  if (w.wait_word != 0) batch->waits.push_back({w.wait_word, w.wait_token});
+  if (w.signal_word != 0) batch->signals.push_back({w.signal_word, w.signal_token});
   return absl::OkStatus();
 }
 

@@ -6,8 +6,9 @@
 
 namespace pagedattn::local {
 
-ChannelRings::ChannelRings(void* base, uint32_t submit_capacity, uint32_t complete_capacity)
-    : header_(static_cast<SegmentHeader*>(base)) {
+ChannelRings::ChannelRings(void* base, uint32_t submit_capacity, uint32_t complete_capacity,
+                           bool gpu_sync)
+    : header_(static_cast<SegmentHeader*>(base)), submit_capacity_(submit_capacity) {
   char* bytes = static_cast<char*>(base);
   SegmentHeader* h = header_;
   h->magic = kMagic;
@@ -18,7 +19,13 @@ ChannelRings::ChannelRings(void* base, uint32_t submit_capacity, uint32_t comple
   h->complete_slot_bytes = sizeof(CompleteSlot);
   h->submit_offset = SubmitOffset();
   h->complete_offset = CompleteOffset(submit_capacity);
-  h->segment_bytes = SegmentBytes(submit_capacity, complete_capacity);
+  h->segment_bytes = SegmentBytes(submit_capacity, complete_capacity, gpu_sync);
+  h->gpu_sync = gpu_sync ? 1 : 0;
+  h->sync_offset = gpu_sync ? SyncOffset(submit_capacity, complete_capacity) : 0;
+  if (gpu_sync) {
+    ready_ = reinterpret_cast<uint32_t*>(bytes + h->sync_offset);
+    done_ = ready_ + submit_capacity;
+  }
   std::atomic_ref<uint32_t>(h->state).store(kOpen, std::memory_order_release);
   submissions_ = RingConsumer<SubmitSlot>(&h->submit_head, &h->submit_tail,
                                           reinterpret_cast<SubmitSlot*>(bytes + h->submit_offset),
@@ -27,6 +34,19 @@ ChannelRings::ChannelRings(void* base, uint32_t submit_capacity, uint32_t comple
   completions_ = RingProducer<CompleteSlot>(
       &h->complete_head, &h->complete_tail,
       reinterpret_cast<CompleteSlot*>(bytes + h->complete_offset), complete_capacity);
+}
+
+void ChannelRings::WriteSyncWord(uint32_t* word, uint32_t token) {
+  std::atomic_ref<uint32_t>(*word).store(token, std::memory_order_seq_cst);
+}
+
+uint32_t ChannelRings::ReadSyncWord(const uint32_t* word) {
+  return std::atomic_ref<uint32_t>(*const_cast<uint32_t*>(word)).load(std::memory_order_seq_cst);
+}
+
+void ChannelRings::BreakChannel() {
+  std::lock_guard<std::mutex> lock(mu_);
+  Break();
 }
 
 uint32_t ChannelRings::state() const {

@@ -26,8 +26,10 @@ namespace pagedattn::local {
 class ChannelRings {
  public:
   // Writes a fresh header for the capacities (valid powers of two) into `base`, which holds at
-  // least SegmentBytes(submit_capacity, complete_capacity) zeroed bytes, and attaches to it.
-  ChannelRings(void* base, uint32_t submit_capacity, uint32_t complete_capacity);
+  // least SegmentBytes(submit_capacity, complete_capacity, gpu_sync) zeroed bytes, and
+  // attaches to it. gpu_sync: the segment has the sync area (ring_layout.h).
+  ChannelRings(void* base, uint32_t submit_capacity, uint32_t complete_capacity,
+               bool gpu_sync = false);
 
   enum class TakeResult {
     kIdle,     // no submission waiting
@@ -38,7 +40,7 @@ class ChannelRings {
   };
   // Takes up to `max` submissions, each with a completion slot reserved, and hands a private
   // copy of each to `fn` (which must make Complete() happen for its request_id exactly once,
-  // now or later).
+  // now or later). While `fn` runs, the submission's number is taken() - 1.
   TakeResult Take(int max, const std::function<void(const SubmitSlot&)>& fn);
 
   // Writes the completion of one accepted submission into its reserved slot and wakes the
@@ -50,12 +52,22 @@ class ChannelRings {
   // on and completions are dropped. `write_state`: false for a dead caller (nothing more
   // is written to its segment).
   void Close(bool write_state);
+  // Puts the channel in state kBroken (the server found the caller misbehaving).
+  void BreakChannel();
 
   // True when a submission waits and a completion slot is free (for the poller's last look
   // before it sleeps).
   bool Ready();
 
   SegmentHeader* header() { return header_; }
+  // Submissions taken so far (poller thread only).
+  uint64_t taken() const { return submissions_.head(); }
+  // The sync words of submission number n (gpu_sync only; null otherwise).
+  uint32_t* ready_word(uint64_t n) { return ready_ == nullptr ? nullptr : ready_ + SyncSlot(n); }
+  uint32_t* done_word(uint64_t n) { return done_ == nullptr ? nullptr : done_ + SyncSlot(n); }
+  // Plain stores and loads of a word the other process (or a GPU) also writes.
+  static void WriteSyncWord(uint32_t* word, uint32_t token);
+  static uint32_t ReadSyncWord(const uint32_t* word);
   uint32_t state() const;
   int64_t reserved() const;
 
@@ -64,7 +76,12 @@ class ChannelRings {
   // Completion slots free and not reserved; -1 when the caller's head is impossible.
   int64_t Unreserved() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  uint64_t SyncSlot(uint64_t n) const { return n & (submit_capacity_ - 1); }
+
   SegmentHeader* const header_;
+  const uint32_t submit_capacity_;  // not the header's copy, which the caller could rewrite
+  uint32_t* ready_ = nullptr;  // gpu_sync: the sync area's words
+  uint32_t* done_ = nullptr;
   RingConsumer<SubmitSlot> submissions_;  // poller only
   mutable std::mutex mu_;
   RingProducer<CompleteSlot> completions_ ABSL_GUARDED_BY(mu_);

@@ -21,10 +21,14 @@ bool SetRef(const RefSlot& slot, v1::TensorRef* ref) {
 
 }  // namespace
 
-absl::Status ToDecodeRequest(const SubmitSlot& slot, v1::DecodeRequest* request) {
+absl::Status ToDecodeRequest(const SubmitSlot& slot, bool gpu_sync, v1::DecodeRequest* request) {
   request->Clear();
-  if (slot.flags != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("descriptor flags must be 0, got ", slot.flags));
+  if ((slot.flags & ~(kSubmitWaitReady | kSubmitSignalDone)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown descriptor flags ", slot.flags));
+  }
+  if (slot.flags != 0 && !gpu_sync) {
+    return absl::FailedPreconditionError(
+        "descriptor asks for GPU synchronisation on a channel opened without gpu_sync");
   }
   if (slot.num_sequences > kMaxSequences) {
     return absl::InvalidArgumentError(absl::StrCat("descriptor num_sequences ", slot.num_sequences,

@@ -10,9 +10,11 @@
 namespace pagedattn::local {
 
 // Fills *request (cleared first) from `slot`. INVALID_ARGUMENT for what only a descriptor can
-// get wrong: flags not 0, num_sequences above kMaxSequences, no output region (a local
+// get wrong: unknown flags, num_sequences above kMaxSequences, no output region (a local
 // channel has no response to carry the output). Everything else (counts, layer, names,
 // ranges, sm_scale) is left to the Decode validation.
-absl::Status ToDecodeRequest(const SubmitSlot& slot, v1::DecodeRequest* request);
+// FAILED_PRECONDITION for sync flags on a channel without gpu_sync (the flags themselves are
+// the poller's to act on).
+absl::Status ToDecodeRequest(const SubmitSlot& slot, bool gpu_sync, v1::DecodeRequest* request);
 
 }  // namespace pagedattn::local

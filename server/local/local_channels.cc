@@ -38,18 +38,28 @@ class Channel {
  public:
   Channel(uint64_t id, uint32_t pid, int pidfd, std::string shm_name, void* base, uint64_t bytes,
           uint32_t submit_capacity, uint32_t complete_capacity, std::vector<std::string> owned,
-          bool guarded)
+          bool guarded, bool gpu_sync)
       : id(id),
         pid(pid),
         pidfd(pidfd),
         shm_name(std::move(shm_name)),
         base(base),
         bytes(bytes),
-        rings(base, submit_capacity, complete_capacity),
+        rings(base, submit_capacity, complete_capacity, gpu_sync),
         owned_regions(std::move(owned)),
         cancelled(std::make_shared<std::atomic<bool>>(false)),
-        guarded_(guarded) {}
+        sync_capacity(gpu_sync ? submit_capacity : 0),
+        pending_ready(gpu_sync ? new std::atomic<uint32_t>[submit_capacity] : nullptr),
+        pending_since(gpu_sync ? new std::atomic<int64_t>[submit_capacity] : nullptr),
+        guarded_(guarded) {
+    for (uint32_t s = 0; s < sync_capacity; ++s) {
+      pending_ready[s].store(0, std::memory_order_relaxed);
+      pending_since[s].store(0, std::memory_order_relaxed);
+    }
+  }
   ~Channel() {
+    // The last work that referred to the sync words has ended.
+    if (sync_engine != nullptr) sync_engine->UnmapSyncWords(sync_host);
     if (guarded_) fault_guard::Unguard(base);
     munmap(base, bytes);
     if (pidfd >= 0) close(pidfd);
@@ -66,6 +76,36 @@ class Channel {
   local::ChannelRings rings;
   const std::vector<std::string> owned_regions;
   const CancelFlag cancelled;  // set at close: the engine drops the channel's queued work
+
+  // gpu_sync: the sync area mapped for the device (its host and device addresses), and per
+  // submission slot the token the server's stream waits for in ready[] (0: none) and since
+  // when (steady nanoseconds), until the submission completes.
+  const uint32_t sync_capacity;  // submit_capacity with gpu_sync, else 0
+  std::unique_ptr<std::atomic<uint32_t>[]> pending_ready;
+  std::unique_ptr<std::atomic<int64_t>[]> pending_since;
+  Engine* sync_engine = nullptr;  // set once mapped: unmaps in the destructor
+  char* sync_host = nullptr;
+  uint64_t sync_device = 0;
+
+  // Writes every pending ready token into its word, so that no stream of the server waits on
+  // this caller any more.
+  void ReleaseWaits() {
+    for (uint32_t s = 0; s < sync_capacity; ++s) {
+      const uint32_t token = pending_ready[s].load(std::memory_order_acquire);
+      if (token != 0) local::ChannelRings::WriteSyncWord(rings.ready_word(s), token);
+    }
+  }
+  // The oldest wait whose word the caller has not written yet, if older than `timeout`.
+  bool WaitTimedOut(int64_t now_ns, int64_t timeout_ns) {
+    for (uint32_t s = 0; s < sync_capacity; ++s) {
+      const uint32_t token = pending_ready[s].load(std::memory_order_acquire);
+      if (token == 0) continue;
+      const uint32_t word = local::ChannelRings::ReadSyncWord(rings.ready_word(s));
+      if (static_cast<int32_t>(word - token) >= 0) continue;
+      if (now_ns - pending_since[s].load(std::memory_order_relaxed) > timeout_ns) return true;
+    }
+    return false;
+  }
 
  private:
   const bool guarded_;
@@ -114,8 +154,9 @@ absl::StatusOr<std::unique_ptr<LocalChannels>> LocalChannels::Create(const Optio
         absl::StrCat("max_channels must be in [1, ", kMaxWaitv - 2, "], got ", options.max_channels));
   }
   if (options.spin < absl::ZeroDuration() || options.liveness_poll <= absl::ZeroDuration() ||
-      options.max_take_per_poll < 1) {
-    return absl::InvalidArgumentError("spin must be >= 0, liveness_poll > 0, max_take_per_poll >= 1");
+      options.max_take_per_poll < 1 || options.gpu_sync_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "spin must be >= 0, liveness_poll > 0, max_take_per_poll >= 1, gpu_sync_timeout > 0");
   }
   if (engine == nullptr) return absl::InvalidArgumentError("no engine");
   std::unique_ptr<LocalChannels> channels(new LocalChannels(options, engine, metrics));
@@ -134,7 +175,8 @@ LocalChannels::~LocalChannels() { Shutdown(); }
 
 absl::StatusOr<LocalChannels::Opened> LocalChannels::Open(uint32_t pid, uint32_t submit_capacity,
                                                           uint32_t complete_capacity,
-                                                          const std::vector<std::string>& owned_regions) {
+                                                          const std::vector<std::string>& owned_regions,
+                                                          bool gpu_sync) {
   if (submit_capacity == 0) submit_capacity = local::kDefaultCapacity;
   if (complete_capacity == 0) complete_capacity = local::kDefaultCapacity;
   if (!local::ValidCapacity(submit_capacity) || !local::ValidCapacity(complete_capacity)) {
@@ -183,7 +225,7 @@ absl::StatusOr<LocalChannels::Opened> LocalChannels::Open(uint32_t pid, uint32_t
   }
 
   const std::string name = absl::StrCat("/pagedattn-lc-", getpid(), "-", RandomHex(16));
-  const uint64_t bytes = local::SegmentBytes(submit_capacity, complete_capacity);
+  const uint64_t bytes = local::SegmentBytes(submit_capacity, complete_capacity, gpu_sync);
   const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
   if (fd < 0) {
     close(pidfd);
@@ -203,7 +245,19 @@ absl::StatusOr<LocalChannels::Opened> LocalChannels::Open(uint32_t pid, uint32_t
   // A caller that shrinks the object must not kill the server (see fault_guard.h).
   const bool guarded = fault_guard::installed() && fault_guard::Guard(base, bytes).ok();
   auto channel = std::make_shared<Channel>(id, pid, pidfd, name, base, bytes, submit_capacity,
-                                           complete_capacity, owned_regions, guarded);
+                                           complete_capacity, owned_regions, guarded, gpu_sync);
+  if (gpu_sync) {
+    char* sync = static_cast<char*>(base) + local::SyncOffset(submit_capacity, complete_capacity);
+    absl::StatusOr<uint64_t> device =
+        engine_->MapSyncWords(sync, static_cast<int64_t>(local::SyncBytes(submit_capacity)));
+    if (!device.ok()) {
+      shm_unlink(name.c_str());
+      return device.status();  // the channel (and its pidfd, mapping) goes with `channel`
+    }
+    channel->sync_engine = engine_;
+    channel->sync_host = sync;
+    channel->sync_device = *device;
+  }
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) {
@@ -242,6 +296,9 @@ void LocalChannels::Retire(uint64_t channel_id, bool caller_alive) {
     if (!caller_alive) ++dead_callers_;
   }
   channel->cancelled->store(true, std::memory_order_relaxed);
+  // Work already launched may wait on the caller's GPU: it waits no more (even for a dead
+  // caller the words are written: they are the server's mapping too).
+  channel->ReleaseWaits();
   channel->rings.Close(/*write_state=*/caller_alive);
   shm_unlink(channel->shm_name.c_str());  // ENOENT once the caller unlinked it after mapping
   // Unlisted at once; each unmaps when the last work using it ends (no waiting here).
@@ -285,17 +342,34 @@ void LocalChannels::WakePoller() {
 void LocalChannels::Submit(const std::shared_ptr<Channel>& channel, const void* raw) {
   const auto& slot = *static_cast<const local::SubmitSlot*>(raw);
   const absl::Time start = absl::Now();
+  // GPU synchronisation: the submission's number gives its sync words and token.
+  const bool gpu_sync = channel->sync_capacity > 0;
+  const uint64_t number = channel->rings.taken() - 1;
+  const uint32_t token = local::SyncToken(number);
+  const uint32_t sync_slot = gpu_sync ? static_cast<uint32_t>(number % channel->sync_capacity) : 0;
+  const bool waits = gpu_sync && (slot.flags & local::kSubmitWaitReady) != 0;
+  const bool signals = gpu_sync && (slot.flags & local::kSubmitSignalDone) != 0;
   // Runs on the engine's thread, maybe after this object is gone: holds no `this`.
-  auto finish = [metrics = metrics_, channel, start, id = slot.request_id](const absl::Status& status) {
+  auto finish = [metrics = metrics_, channel, start, id = slot.request_id, number, token, sync_slot,
+                 waits, signals](const absl::Status& status) {
     if (metrics != nullptr) {
       metrics->RecordRequest("Decode", StatusCodeName(status.code()),
                               absl::ToDoubleSeconds(absl::Now() - start), "local");
+    }
+    if (waits) {
+      uint32_t expected = token;
+      channel->pending_ready[sync_slot].compare_exchange_strong(expected, 0, std::memory_order_acq_rel);
+    }
+    // A failed submission's outputs never come: the caller's stream may go on. (A successful
+    // one's token was written by the server's stream behind the outputs.)
+    if (signals && !status.ok()) {
+      local::ChannelRings::WriteSyncWord(channel->rings.done_word(number), token);
     }
     channel->rings.Complete(id, static_cast<int32_t>(status.code()),
                             std::string_view(status.message().data(), status.message().size()));
   };
   v1::DecodeRequest request;
-  if (absl::Status s = local::ToDecodeRequest(slot, &request); !s.ok()) {
+  if (absl::Status s = local::ToDecodeRequest(slot, gpu_sync, &request); !s.ok()) {
     finish(s);
     return;
   }
@@ -308,6 +382,33 @@ void LocalChannels::Submit(const std::shared_ptr<Channel>& channel, const void* 
     metrics_->RecordStage(Metrics::Stage::kToWork, absl::ToDoubleSeconds(absl::Now() - start));
   }
   work->cancelled = channel->cancelled;
+  // The host reads and writes tensors in system regions at launch, outside the stream's order.
+  if (waits || signals) {
+    for (const Tensor* t : {&work->q, &work->k, &work->v, &work->output, &work->lse}) {
+      if (!t->empty() && !t->on_device()) {
+        finish(absl::InvalidArgumentError(
+            "GPU-synchronised submissions take their tensors in cuda regions only"));
+        return;
+      }
+    }
+  }
+  if (waits || signals) {
+    work->sync_group = channel->id;
+    const auto device_word = [&](const uint32_t* word) {
+      return channel->sync_device + static_cast<uint64_t>(reinterpret_cast<const char*>(word) -
+                                                          channel->sync_host);
+    };
+    if (waits) {
+      work->wait_word = device_word(channel->rings.ready_word(number));
+      work->wait_token = token;
+      channel->pending_since[sync_slot].store(absl::ToUnixNanos(absl::Now()), std::memory_order_relaxed);
+      channel->pending_ready[sync_slot].store(token, std::memory_order_release);
+    }
+    if (signals) {
+      work->signal_word = device_word(channel->rings.done_word(number));
+      work->signal_token = token;
+    }
+  }
   engine_->Decode(*std::move(work),
                   [finish = std::move(finish)](absl::StatusOr<DecodeOutput> output) {
                     finish(output.status());
@@ -354,6 +455,20 @@ void LocalChannels::Run() {
     const absl::Time now = absl::Now();
     if (now - last_liveness >= options_.liveness_poll || (!took && now - last_work >= options_.spin)) {
       last_liveness = now;
+      // A GPU-synchronised caller that does not write its ready word in time: the server's
+      // streams stop waiting on it, and its channel is broken.
+      const int64_t now_ns = absl::ToUnixNanos(now);
+      const int64_t timeout_ns = absl::ToInt64Nanoseconds(options_.gpu_sync_timeout);
+      for (const auto& channel : channels) {
+        if (channel->sync_capacity > 0 && channel->WaitTimedOut(now_ns, timeout_ns)) {
+          channel->rings.BreakChannel();
+          {
+            absl::MutexLock lock(&mu_);
+            ++broken_channels_;
+          }
+          Retire(channel->id, /*caller_alive=*/true);
+        }
+      }
       if (!pids.empty() && poll(pids.data(), pids.size(), 0) > 0) {
         for (size_t i = 0; i < pids.size(); ++i) {
           if (pids[i].revents != 0) Retire(channels[i]->id, /*caller_alive=*/false);

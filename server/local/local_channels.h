@@ -12,7 +12,8 @@
 // engine drops it before compute; work already in a batch finishes into the caller's
 // regions, which stay mapped until it ends), owned regions unregistered (unlisted at once),
 // the segment unlinked (and unmapped once no work refers to it). The server never waits on a
-// caller.
+// caller: a gpu_sync channel's pending waits are released (ring_layout.h) when it closes, or
+// when the caller leaves one unsatisfied for Options::gpu_sync_timeout (the channel breaks).
 //
 // Thread-safe. The engine and metrics outlive this object.
 #pragma once
@@ -45,6 +46,9 @@ class LocalChannels {
     absl::Duration spin = absl::Microseconds(50);        // busy poll after the last work
     absl::Duration liveness_poll = absl::Milliseconds(20);  // longest sleep between pid checks
     int32_t max_take_per_poll = 16;                      // submissions taken per channel per pass
+    // gpu_sync channels: how long the server's streams wait for a caller's ready word before
+    // it writes the word itself and breaks the channel.
+    absl::Duration gpu_sync_timeout = absl::Seconds(2);
   };
 
   struct Opened {
@@ -62,8 +66,10 @@ class LocalChannels {
 
   // Creates a channel for process `pid` (see OpenLocalChannel in the proto for the codes).
   // Capacities 0 pick kDefaultCapacity. The owned regions must be registered already.
+  // gpu_sync: the segment gets the sync area, mapped for the device (FAILED_PRECONDITION on a
+  // backend without one); see ring_layout.h.
   absl::StatusOr<Opened> Open(uint32_t pid, uint32_t submit_capacity, uint32_t complete_capacity,
-                              const std::vector<std::string>& owned_regions);
+                              const std::vector<std::string>& owned_regions, bool gpu_sync = false);
   // Closes a channel (state kClosed in its header). NOT_FOUND for an unknown id.
   absl::Status Close(uint64_t channel_id);
   // Closes every channel and joins the poller; later Opens get UNAVAILABLE. Idempotent.

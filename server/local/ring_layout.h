@@ -9,6 +9,7 @@
 //   offset 0                     SegmentHeader (kHeaderBytes)
 //   submit_offset                SubmitSlot[submit_capacity]    caller -> server
 //   complete_offset              CompleteSlot[complete_capacity] server -> caller
+//   sync_offset (gpu_sync only)  uint32 ready[submit_capacity], uint32 done[submit_capacity]
 //
 // All integers little-endian (x86-64 and aarch64 hosts), every field naturally aligned; the
 // static_asserts below pin every offset the Python client hard-codes.
@@ -36,6 +37,27 @@
 // at once (futex_waitv) and wakes at least every few milliseconds to watch callers' liveness.
 // The caller wakes the server after a submission, and after consuming completions (a channel
 // stalled on a full completion ring resumes then).
+//
+// GPU synchronisation (a channel opened with gpu_sync, CUDA backend only; header.gpu_sync = 1).
+// Submission number n (the ring counter it was written at; slot s = n % submit_capacity, token
+// t = uint32(n + 1)) owns two words of the sync area, which both processes map for their GPU
+// (cudaHostRegister, mapped). Comparisons are cyclic: word >= t means int32(word - t) >= 0.
+//   kSubmitWaitReady:  the server's stream waits until ready[s] >= t before the batch holding
+//                      the submission reads any tensor (the caller's stream writes t there after
+//                      the work that produces q, k and v);
+//   kSubmitSignalDone: the server's stream writes t into done[s] once the outputs are written
+//                      (the caller's stream waits for done[s] >= t before it reads them). A
+//                      submission that fails gets t written from the host with its completion.
+// So a GPU caller queues layer after layer without waiting on the host: its stream orders its
+// own work and the server's through the words. Such submissions take every tensor in cuda
+// regions (the host reads system regions at launch, outside the streams' order), else
+// INVALID_ARGUMENT. The caller keeps fewer than submit_capacity
+// submissions outstanding, so that a slot's words are not reused while still in use. The server
+// does not wait on a caller forever: when ready[s] has not reached t within the server's
+// --local_gpu_sync_timeout_ms, or the caller exits or closes the channel, the server writes t
+// into ready[s] itself (the batch then reads what the caller's memory holds) and closes the
+// channel (a timeout breaks it). Added to layout version 1 without changing it: a client that
+// never asks for gpu_sync sees the same segment as before.
 #pragma once
 
 #include <cstddef>
@@ -71,13 +93,17 @@ struct RefSlot {
 };
 static_assert(sizeof(RefSlot) == 144);
 
+// SubmitSlot::flags.
+inline constexpr uint32_t kSubmitWaitReady = 1;
+inline constexpr uint32_t kSubmitSignalDone = 2;
+
 // One Decode: the fields of a DecodeRequest with every tensor by reference. q and output are
 // required, k and v both or neither, lse optional.
 struct SubmitSlot {
   uint64_t request_id;  // echoed in the completion
   int32_t layer;
   float sm_scale;       // 0: 1/sqrt(head_dim)
-  uint32_t flags;       // must be 0
+  uint32_t flags;       // kSubmitWaitReady | kSubmitSignalDone (gpu_sync channels), else 0
   uint32_t num_sequences;
   uint64_t sequence_ids[kMaxSequences];
   RefSlot q, k, v, output, lse;
@@ -104,7 +130,7 @@ struct alignas(kCacheLine) SegmentHeader {
   uint32_t complete_capacity;
   uint32_t submit_slot_bytes;
   uint32_t complete_slot_bytes;
-  uint32_t reserved0;
+  uint32_t gpu_sync;  // 1: the segment ends with the sync area at sync_offset
   uint64_t submit_offset;
   uint64_t complete_offset;
   uint64_t segment_bytes;
@@ -119,6 +145,7 @@ struct alignas(kCacheLine) SegmentHeader {
   uint32_t server_sleeping;                    // server: 1 while it may sleep
   alignas(kCacheLine) uint32_t caller_futex;   // server increments to wake the caller
   uint32_t caller_sleeping;                    // caller: 1 while it may sleep
+  alignas(kCacheLine) uint64_t sync_offset;    // gpu_sync: ready[], then done[] (0 without)
 };
 static_assert(offsetof(SegmentHeader, state) == 56);
 static_assert(offsetof(SegmentHeader, submit_tail) == 64);
@@ -129,16 +156,28 @@ static_assert(offsetof(SegmentHeader, server_futex) == 320);
 static_assert(offsetof(SegmentHeader, server_sleeping) == 324);
 static_assert(offsetof(SegmentHeader, caller_futex) == 384);
 static_assert(offsetof(SegmentHeader, caller_sleeping) == 388);
+static_assert(offsetof(SegmentHeader, gpu_sync) == 28);
+static_assert(offsetof(SegmentHeader, sync_offset) == 448);
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes);
 
 inline constexpr uint64_t SubmitOffset() { return kHeaderBytes; }
 inline constexpr uint64_t CompleteOffset(uint32_t submit_capacity) {
   return kHeaderBytes + uint64_t{submit_capacity} * sizeof(SubmitSlot);
 }
-inline constexpr uint64_t SegmentBytes(uint32_t submit_capacity, uint32_t complete_capacity) {
+// The sync area starts on a page of its own (registered with the CUDA runtime apart from the rings).
+inline constexpr uint64_t SyncOffset(uint32_t submit_capacity, uint32_t complete_capacity) {
   const uint64_t end = CompleteOffset(submit_capacity) + uint64_t{complete_capacity} * sizeof(CompleteSlot);
   return (end + 4095) / 4096 * 4096;
 }
+inline constexpr uint64_t SyncBytes(uint32_t submit_capacity) {
+  return (2 * uint64_t{submit_capacity} * sizeof(uint32_t) + 4095) / 4096 * 4096;
+}
+inline constexpr uint64_t SegmentBytes(uint32_t submit_capacity, uint32_t complete_capacity,
+                                       bool gpu_sync = false) {
+  return SyncOffset(submit_capacity, complete_capacity) + (gpu_sync ? SyncBytes(submit_capacity) : 0);
+}
+// The token of submission number n in its sync words.
+inline constexpr uint32_t SyncToken(uint64_t n) { return static_cast<uint32_t>(n + 1); }
 inline constexpr bool ValidCapacity(uint32_t c) {
   return c >= 1 && c <= kMaxCapacity && (c & (c - 1)) == 0;
 }

@@ -372,7 +372,8 @@ grpc::ServerUnaryReactor* PagedAttentionService::OpenLocalChannel(
     const std::vector<std::string> owned(request->owned_regions().begin(),
                                          request->owned_regions().end());
     absl::StatusOr<LocalChannels::Opened> opened = options_.local_channels->Open(
-        request->pid(), request->submission_capacity(), request->completion_capacity(), owned);
+        request->pid(), request->submission_capacity(), request->completion_capacity(), owned,
+        request->gpu_sync());
     if (opened.ok()) {
       response->set_channel_id(opened->channel_id);
       response->set_shm_name(opened->shm_name);

@@ -71,6 +71,28 @@ TEST_F(BatcherTest, CountsSequencesNotItems) {
   EXPECT_TRUE(absl::IsInvalidArgument(Add(2, 0)));
 }
 
+// A GPU-synchronised caller's next item may wait on the device for the previous one's
+// outputs: two items of one sync group never share a batch; other groups and ungrouped items
+// join freely.
+TEST_F(BatcherTest, TwoItemsOfOneSyncGroupNeverShareABatch) {
+  Init(64, absl::Seconds(10));
+  const auto add = [&](int id, uint64_t group) {
+    std::unique_ptr<BatchItem> item = std::make_unique<TestItem>(id);
+    item->sync_group = group;
+    return batcher_->Enqueue(&item);
+  };
+  ASSERT_TRUE(add(0, 7).ok());
+  ASSERT_TRUE(add(1, 8).ok());
+  ASSERT_TRUE(add(2, 0).ok());
+  ASSERT_TRUE(add(3, 7).ok());  // 7 again: the batch ends before it, and is ready at once
+  ASSERT_TRUE(add(4, 8).ok());
+  EXPECT_EQ(Ids(batcher_->TryNextBatch()), (std::vector<int>{0, 1, 2}));
+  EXPECT_TRUE(batcher_->TryNextBatch().empty());  // 3, 4 can still grow
+  ASSERT_TRUE(add(5, 8).ok());
+  EXPECT_EQ(Ids(batcher_->TryNextBatch()), (std::vector<int>{3, 4}));
+  EXPECT_EQ(batcher_->depth(), 1);
+}
+
 TEST_F(BatcherTest, DelayTriggerCountsFromTheOldestItem) {
   Init(64, absl::Microseconds(200));
   ASSERT_TRUE(Add(0).ok());

@@ -58,8 +58,10 @@ void Run(FuzzInput& in) {
   const uint8_t shape = in.Byte();
   const uint32_t sc = 1u << (shape & 3);
   const uint32_t cc = 1u << ((shape >> 2) & 3);
-  Segment segment(local::SegmentBytes(sc, cc));
-  ChannelRings rings(segment.base, sc, cc);
+  const bool gpu_sync = (shape & 16) != 0;
+  const uint64_t segment_bytes = local::SegmentBytes(sc, cc, gpu_sync);
+  Segment segment(segment_bytes);
+  ChannelRings rings(segment.base, sc, cc, gpu_sync);
   local::SegmentHeader* h = rings.header();
   auto* slots = reinterpret_cast<local::SubmitSlot*>(segment.base + h->submit_offset);
   const ModelConfig config = Config();
@@ -121,7 +123,19 @@ void Run(FuzzInput& in) {
       case 5: {  // the server takes
         const int64_t reserved_before = rings.reserved();
         const auto result = rings.Take(1 + in.Byte() % 4, [&](const local::SubmitSlot& slot) {
-          const absl::Status s = local::ToDecodeRequest(slot, &request);
+          const absl::Status s = local::ToDecodeRequest(slot, gpu_sync, &request);
+          if (gpu_sync) {  // the submission's sync words lie in the segment's sync area
+            const uint64_t n = rings.taken() - 1;
+            for (const uint32_t* w : {rings.ready_word(n), rings.done_word(n)}) {
+              const char* p = reinterpret_cast<const char*>(w);
+              FUZZ_CHECK(p >= segment.base + local::SyncOffset(sc, cc) &&
+                             p + sizeof(uint32_t) <= segment.base + segment_bytes,
+                         "sync word");
+            }
+          } else {
+            FUZZ_CHECK(rings.ready_word(0) == nullptr, "sync words without gpu_sync");
+            FUZZ_CHECK(slot.flags == 0 || !s.ok(), "sync flags accepted without gpu_sync");
+          }
           if (s.ok()) {
             FUZZ_CHECK(request.sequence_ids_size() <= static_cast<int>(local::kMaxSequences), "ids");
             for (const v1::TensorRef* ref : {&request.q_ref(), &request.output_ref()}) {

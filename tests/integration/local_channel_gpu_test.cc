@@ -1,11 +1,15 @@
 // Local channels with cuda regions on the real server (CUDA backend): a step through a local
-// channel checked against the float64 reference, and attend-only Decodes through a local
-// channel bitwise equal to the same Decodes as gRPC calls (by reference and inline). Needs a
-// GPU of compute capability 9.0; skips without one (label gpu).
+// channel checked against the float64 reference, attend-only Decodes through a local channel
+// bitwise equal to the same Decodes as gRPC calls (by reference and inline), and layers queued
+// on the caller's GPU through the sync words (gpu_sync). Needs a GPU of compute capability
+// 9.0; skips without one (label gpu).
+#include <cuda_runtime_api.h>
+
 #include <string>
 #include <vector>
 
 #include "client/cuda_region.h"
+#include "client/gpu_sync.h"
 #include "client/local_channel.h"
 #include "tests/integration/integration_test.h"
 
@@ -97,6 +101,93 @@ TEST_F(LocalChannelGpuTest, CudaRegionsThroughALocalChannelMatchGrpcBitwise) {
     EXPECT_EQ(lse, via_inline->lse()) << "layer " << layer;
   }
   EXPECT_TRUE((*channel)->Close().ok());
+}
+
+// Layers queued on the caller's GPU: every layer's q goes through one shared buffer that the
+// caller's stream fills only after the previous layer's output is written, and every output
+// through one shared buffer that the stream copies away once its done word says so. If the
+// server read q before the ready word, or signalled done before the output, a layer would see
+// another layer's q or leave another's output: each is checked against the reference.
+TEST_F(LocalChannelGpuTest, GpuSyncedLayersQueueOnTheDeviceInOrder) {
+  constexpr int32_t kLayers = 6;
+  StartServer({"--backend=cuda", "--num_pages=512"}, kLayers);
+  const std::vector<uint64_t> ids = {1, 2, 3};
+  for (uint64_t id : ids) Prefill(id, 300 + 77 * static_cast<int>(id));
+  ASSERT_TRUE(client_->RegisterCudaMemory("gpu", region_->ipc_handle(), 0, kRegionBytes).ok());
+  auto channel = client::LocalChannel::Open(client_.get(), {.gpu_sync = true});
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  auto sync = client::GpuSync::Map(channel->get(), 0);
+  ASSERT_TRUE(sync.ok()) << sync.status();
+  auto stream = static_cast<cudaStream_t>((*sync)->stream());
+
+  const size_t q_bytes = ids.size() * 24 * 128 * 2;
+  const size_t out_bytes = q_bytes;
+  const v1::TensorRef shared_q = Reserve(q_bytes);
+  const v1::TensorRef shared_out = Reserve(out_bytes);
+  std::vector<v1::DecodeRequest> steps, sent;
+  std::vector<v1::TensorRef> staged_q, saved_out, saved_lse;
+  for (int32_t layer = 0; layer < kLayers; ++layer) {
+    steps.push_back(RandomDecode(next_request_id_++, layer, ids, true, rng_));
+    v1::DecodeRequest r = ByRef(steps.back());
+    staged_q.push_back(r.q_ref());  // this layer's q, put there now; copied in on the device
+    *r.mutable_q_ref() = shared_q;
+    *r.mutable_output_ref() = shared_out;
+    saved_out.push_back(Reserve(out_bytes));
+    saved_lse.push_back(r.lse_ref());
+    sent.push_back(std::move(r));
+  }
+  char* const base = region_->data();
+  for (int32_t layer = 0; layer < kLayers; ++layer) {
+    const uint64_t n = (*channel)->next_submission();
+    ASSERT_EQ(cudaMemcpyAsync(base + shared_q.offset(), base + staged_q[layer].offset(), q_bytes,
+                              cudaMemcpyDeviceToDevice, stream), cudaSuccess);
+    ASSERT_TRUE((*sync)->MarkReady(nullptr, n).ok());
+    ASSERT_TRUE((*channel)->Submit(sent[layer], local::kSubmitWaitReady | local::kSubmitSignalDone).ok());
+    ASSERT_TRUE((*sync)->WaitDone(nullptr, n).ok());
+    ASSERT_EQ(cudaMemcpyAsync(base + saved_out[layer].offset(), base + shared_out.offset(), out_bytes,
+                              cudaMemcpyDeviceToDevice, stream), cudaSuccess);
+  }
+  for (int32_t layer = 0; layer < kLayers; ++layer) {
+    auto done = (*channel)->Next(absl::Seconds(30));
+    ASSERT_TRUE(done.ok()) << done.status();
+    EXPECT_EQ(done->request_id, sent[layer].request_id());
+    EXPECT_TRUE(done->status.ok()) << done->status;
+  }
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  for (int32_t layer = 0; layer < kLayers; ++layer) {
+    v1::DecodeResponse response;
+    response.set_request_id(sent[layer].request_id());
+    response.set_output(Read(saved_out[layer]));
+    response.set_lse(Read(saved_lse[layer]));
+    EXPECT_TRUE(mirror_->ApplyAndCheck(steps[layer], response)) << "layer " << layer;
+  }
+  sync->reset();
+  EXPECT_TRUE((*channel)->Close().ok());
+}
+
+// A caller that asks the server to wait for its ready word and never writes it: after
+// --local_gpu_sync_timeout_ms the server writes the word itself and breaks the channel; the
+// step completes, and the server goes on serving others.
+TEST_F(LocalChannelGpuTest, ACallerThatNeverSignalsIsCutOffAfterTheTimeout) {
+  StartServer({"--backend=cuda", "--num_pages=512", "--local_gpu_sync_timeout_ms=300"}, 1);
+  Prefill(1, 200);
+  Prefill(2, 90);
+  ASSERT_TRUE(client_->RegisterCudaMemory("gpu", region_->ipc_handle(), 0, kRegionBytes).ok());
+  auto channel = client::LocalChannel::Open(client_.get(), {.gpu_sync = true});
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  const v1::DecodeRequest attend = ByRef(RandomDecode(next_request_id_++, 0, {1}, false, rng_));
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE((*channel)->Submit(attend, local::kSubmitWaitReady | local::kSubmitSignalDone).ok());
+  auto done = (*channel)->Next(absl::Seconds(30));
+  ASSERT_TRUE(done.ok() || absl::IsUnavailable(done.status()) || absl::IsDataLoss(done.status()))
+      << done.status();
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(250));
+  // The server is healthy and serves a gRPC caller.
+  const v1::DecodeRequest other = RandomDecode(next_request_id_++, 0, {2}, false, rng_);
+  auto response = client_->Decode(other);
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_TRUE(mirror_->ApplyAndCheck(other, *response));
+  EXPECT_EQ(std::atomic_ref<uint32_t>((*channel)->segment()->state).load(), local::kBroken);
 }
 
 }  // namespace

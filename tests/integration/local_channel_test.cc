@@ -161,14 +161,14 @@ TEST_P(LocalChannelTest, MalformedDescriptorsGetTheDecodeErrorsAndChangeNothing)
     auto response = channel->Decode(bad);
     EXPECT_EQ(response.status().code(), c.code) << c.name << ": " << response.status();
   }
-  // What only a hostile writer of the ring can get wrong: flags, a count past the array, a
-  // name filling its whole field.
+  // What only a hostile writer of the ring can get wrong: sync flags on a channel without
+  // gpu_sync, a count past the array, a name filling its whole field, unknown flags.
   RawSegment raw(*channel);
   local::SegmentHeader* h = raw.header();
   auto* slots = reinterpret_cast<local::SubmitSlot*>(reinterpret_cast<char*>(h) + h->submit_offset);
   const v1::DecodeRequest attend =
       ToRefs(RandomDecode(60, 0, {2}, false, rng_), {true, false, false, true, true}, *arena, rng_);
-  for (int variant = 0; variant < 3; ++variant) {
+  for (int variant = 0; variant < 4; ++variant) {
     const uint64_t tail = raw.Load(&h->submit_tail);
     local::SubmitSlot& s = slots[tail % h->submit_capacity];
     std::memset(&s, 0, sizeof(s));
@@ -179,16 +179,18 @@ TEST_P(LocalChannelTest, MalformedDescriptorsGetTheDecodeErrorsAndChangeNothing)
     s.q.offset = attend.q_ref().offset();
     s.q.byte_size = attend.q_ref().byte_size();
     std::memset(s.output.region, 'x', local::kRegionNameBytes);  // 128 bytes, no NUL: not found
-    if (variant == 0) s.flags = 1;
+    if (variant == 0) s.flags = local::kSubmitWaitReady;
     if (variant == 1) s.num_sequences = 100000;
+    if (variant == 3) s.flags = 4;
     std::atomic_ref<uint64_t>(h->submit_tail).store(tail + 1);
     local::WakeIfSleeping(&h->server_sleeping, &h->server_futex);
     auto done = channel->Next(absl::Seconds(10));
     ASSERT_TRUE(done.ok()) << done.status();
     EXPECT_EQ(done->request_id, 1000u + variant);
-    EXPECT_EQ(done->status.code(), variant == 2 ? absl::StatusCode::kNotFound
-                                                : absl::StatusCode::kInvalidArgument)
-        << done->status;
+    const absl::StatusCode want = variant == 0   ? absl::StatusCode::kFailedPrecondition
+                                  : variant == 2 ? absl::StatusCode::kNotFound
+                                                 : absl::StatusCode::kInvalidArgument;
+    EXPECT_EQ(done->status.code(), want) << "variant " << variant << ": " << done->status;
   }
   EXPECT_EQ(raw.state(), local::kOpen);
   ExpectUnchanged();
@@ -278,6 +280,25 @@ TEST_P(LocalChannelTest, ASlowReaderStallsOnlyItsOwnChannelAndLosesNoCompletion)
   }
   EXPECT_EQ(slow->in_flight(), 0);
   EXPECT_EQ(raw.state(), local::kOpen);
+}
+
+// GPU synchronisation needs a device: refused at open on the CPU backend, and the client
+// sends no sync flags on a channel opened without it.
+TEST_P(LocalChannelTest, GpuSyncNeedsTheCudaBackend) {
+  Start({});
+  auto refused = client::LocalChannel::Open(client_.get(), {.gpu_sync = true});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_NE(std::string(refused.status().message()).find("CUDA backend"), std::string::npos)
+      << refused.status();
+  std::unique_ptr<client::LocalChannel> channel = OpenChannel();
+  ASSERT_NE(channel, nullptr);
+  std::unique_ptr<RefArena> arena = Arena("arena", 1 << 20);
+  const v1::DecodeRequest step =
+      ToRefs(RandomDecode(70, 0, {1}, false, rng_), {true, false, false, true, true}, *arena, rng_);
+  const uint64_t before = channel->next_submission();
+  EXPECT_EQ(channel->Submit(step, local::kSubmitSignalDone).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(channel->next_submission(), before);  // nothing was sent
+  EXPECT_EQ(channel->sync_area(), nullptr);
 }
 
 TEST_P(LocalChannelTest, OffRefusesWithFailedPrecondition) {

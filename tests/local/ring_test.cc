@@ -159,7 +159,7 @@ TEST(DescriptorTest, TranslatesEveryFieldAndRefusesWhatARequestCannotSay) {
   std::memset(slot.output.region, 'o', kRegionNameBytes);  // a full-length name, no NUL
   slot.output.byte_size = 12288;
   v1::DecodeRequest request;
-  ASSERT_TRUE(ToDecodeRequest(slot, &request).ok());
+  ASSERT_TRUE(ToDecodeRequest(slot, false, &request).ok());
   EXPECT_EQ(request.request_id(), 9u);
   EXPECT_EQ(request.layer(), 3);
   EXPECT_EQ(request.sm_scale(), 0.5f);
@@ -173,13 +173,16 @@ TEST(DescriptorTest, TranslatesEveryFieldAndRefusesWhatARequestCannotSay) {
 
   SubmitSlot bad = slot;
   bad.flags = 4;
-  EXPECT_EQ(ToDecodeRequest(bad, &request).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ToDecodeRequest(bad, true, &request).code(), absl::StatusCode::kInvalidArgument);
+  bad.flags = kSubmitWaitReady | kSubmitSignalDone;  // known, but this channel has no sync area
+  EXPECT_EQ(ToDecodeRequest(bad, false, &request).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(ToDecodeRequest(bad, true, &request).ok());
   bad = slot;
   bad.num_sequences = kMaxSequences + 1;
-  EXPECT_EQ(ToDecodeRequest(bad, &request).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ToDecodeRequest(bad, false, &request).code(), absl::StatusCode::kInvalidArgument);
   bad = slot;
   bad.output.region[0] = 0;
-  EXPECT_EQ(ToDecodeRequest(bad, &request).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ToDecodeRequest(bad, false, &request).code(), absl::StatusCode::kInvalidArgument);
 }
 
 // A caller thread submits, the server end takes on a poller thread and completes on a third
