@@ -5,6 +5,7 @@
 #include <deque>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "client/local_channel.h"
 #include "client/loadgen/run_state.h"
@@ -129,6 +130,14 @@ class Caller {
     }
   }
 
+  // The pipelined loop of RunStream and RunLocalSynced: up to stream_in_flight requests
+  // outstanding, answered in order. send(request) -> false when the transport broke;
+  // receive(&response, &status) -> false likewise, else the next answer (status: its outcome;
+  // response: its request_id, and its outputs unless they went into the slot's region).
+  // `kind`: the latency samples' name.
+  template <typename Send, typename Receive>
+  bool RunPipelined(const Phase& phase, const char* kind, Send send, Receive receive);
+
   RunState& state_;
   client::Client* const client_;
   client::LocalChannel* const local_;
@@ -140,7 +149,8 @@ class Caller {
   Samples samples_;
 };
 
-bool Caller::RunStream(const Phase& phase, client::DecodeStream* stream) {
+template <typename Send, typename Receive>
+bool Caller::RunPipelined(const Phase& phase, const char* kind, Send send, Receive receive) {
   const int64_t total = phase.steps_per_batch * static_cast<int64_t>(batches_.size());
   const size_t in_flight = static_cast<size_t>(std::max(1, state_.options.stream_in_flight));
   std::deque<Pending> pending;
@@ -171,20 +181,20 @@ bool Caller::RunStream(const Phase& phase, client::DecodeStream* stream) {
       v1::DecodeRequest request =
           MakeDecodeRequest(state_, batch, layer, p.request_id, &p.tickets, p.slot);
       p.sent = SteadyClock::now();
-      if (!stream->Write(request)) return false;
+      if (!send(request)) return false;
       pending.push_back(std::move(p));
       if (++layer == state_.num_layers) batch = -1;
     }
     if (pending.empty()) return true;
     v1::DecodeResponse response;
-    if (!stream->Read(&response)) return false;
+    absl::Status status;
+    if (!receive(&response, &status)) return false;
     const SteadyClock::time_point t1 = SteadyClock::now();
     Pending p = std::move(pending.front());
     pending.pop_front();
-    absl::Status status = client::ResponseStatus(response);
     if (status.ok()) {
       status = response.request_id() != p.request_id
-                   ? absl::InternalError("DecodeStream answered out of order")
+                   ? absl::InternalError(absl::StrCat(kind, " answered out of order"))
                    : TakeDecodeResponse(state_, p.batch, p.layer, response, p.tickets, p.slot);
     }
     if (!status.ok()) {
@@ -194,7 +204,7 @@ bool Caller::RunStream(const Phase& phase, client::DecodeStream* stream) {
       continue;
     }
     if (phase.timed) {
-      samples_.Add("DecodeStream", SecondsBetween(p.sent, t1));
+      samples_.Add(kind, SecondsBetween(p.sent, t1));
       if (p.layer == state_.num_layers - 1) {
         samples_.Add("step", SecondsBetween(p.step_start, t1));
         state_.steps_done.fetch_add(1, std::memory_order_relaxed);
@@ -203,77 +213,38 @@ bool Caller::RunStream(const Phase& phase, client::DecodeStream* stream) {
   }
 }
 
+bool Caller::RunStream(const Phase& phase, client::DecodeStream* stream) {
+  return RunPipelined(
+      phase, "DecodeStream", [&](const v1::DecodeRequest& request) { return stream->Write(request); },
+      [&](v1::DecodeResponse* response, absl::Status* status) {
+        if (!stream->Read(response)) return false;
+        *status = client::ResponseStatus(*response);
+        return true;
+      });
+}
+
 #ifdef PAGEDATTN_LOADGEN_CUDA
 bool Caller::RunLocalSynced(const Phase& phase, const client::GpuSync& sync) {
-  const int64_t total = phase.steps_per_batch * static_cast<int64_t>(batches_.size());
-  const size_t in_flight = static_cast<size_t>(std::max(1, state_.options.stream_in_flight));
-  std::deque<Pending> pending;
-  int32_t batch = -1;
-  int32_t layer = 0;
-  SteadyClock::time_point step_start;
-  int64_t started = 0;
-  bool sending = true;
-  while (true) {
-    while (sending && pending.size() < in_flight) {
-      if (batch < 0) {
-        if (!MoreSteps(phase, started, total) || !NextBatch(&batch)) {
-          sending = false;
-          break;
-        }
-        ++started;
-        layer = 0;
-        step_start = SteadyClock::now();
-      }
-      Pending p;
-      p.batch = batch;
-      p.layer = layer;
-      p.request_id = ++request_id_;
-      p.step_start = step_start;
-      p.slot = first_slot_ + static_cast<int32_t>(p.request_id % static_cast<uint64_t>(state_.slots_per_caller));
-      v1::DecodeRequest request = MakeDecodeRequest(state_, batch, layer, p.request_id, &p.tickets, p.slot);
-      const uint64_t n = local_->next_submission();
-      absl::Status s = sync.MarkReady(nullptr, n);
-      if (s.ok()) s = local_->Submit(request, local::kSubmitWaitReady | local::kSubmitSignalDone);
-      if (s.ok()) s = sync.WaitDone(nullptr, n);
-      if (!s.ok()) {
-        state_.CountError(s);
-        return false;
-      }
-      p.sent = SteadyClock::now();
-      pending.push_back(std::move(p));
-      if (++layer == state_.num_layers) batch = -1;
-    }
-    if (pending.empty()) return true;
-    absl::StatusOr<client::LocalChannel::Completion> done = local_->Next(absl::Seconds(30));
-    if (!done.ok()) {
-      state_.CountError(done.status());
-      return false;
-    }
-    const SteadyClock::time_point t1 = SteadyClock::now();
-    Pending p = std::move(pending.front());
-    pending.pop_front();
-    absl::Status status = done->status;
-    if (status.ok()) {
-      v1::DecodeResponse response;
-      response.set_request_id(done->request_id);
-      status = done->request_id != p.request_id
-                   ? absl::InternalError("the local channel answered out of order")
-                   : TakeDecodeResponse(state_, p.batch, p.layer, response, p.tickets, p.slot);
-    }
-    if (!status.ok()) {
-      state_.CountError(status);
-      RetireBatch(p.batch, status);
-      if (batch == p.batch) batch = -1;
-      continue;
-    }
-    if (phase.timed) {
-      samples_.Add("Decode", SecondsBetween(p.sent, t1));
-      if (p.layer == state_.num_layers - 1) {
-        samples_.Add("step", SecondsBetween(p.step_start, t1));
-        state_.steps_done.fetch_add(1, std::memory_order_relaxed);
-      }
-    }
-  }
+  const auto fail = [&](const absl::Status& status) {
+    state_.CountError(status);
+    return false;
+  };
+  return RunPipelined(
+      phase, "Decode",
+      [&](const v1::DecodeRequest& request) {
+        const uint64_t n = local_->next_submission();
+        absl::Status s = sync.MarkReady(nullptr, n);
+        if (s.ok()) s = local_->Submit(request, local::kSubmitWaitReady | local::kSubmitSignalDone);
+        if (s.ok()) s = sync.WaitDone(nullptr, n);
+        return s.ok() || fail(s);
+      },
+      [&](v1::DecodeResponse* response, absl::Status* status) {
+        absl::StatusOr<client::LocalChannel::Completion> done = local_->Next(absl::Seconds(30));
+        if (!done.ok()) return fail(done.status());
+        response->set_request_id(done->request_id);  // the outputs are in the slot's region
+        *status = done->status;
+        return true;
+      });
 }
 #endif
 

@@ -117,6 +117,9 @@ struct CudaBackend::Impl {
   // The driver's stream word operations (BackendBatch::waits, signals), loaded at first use.
   const kernels::StreamWords* stream_words = nullptr;
   absl::Status LoadStreamWords();
+  // cudaHostRegister(data, bytes, flags) on the backend's device, after the checks both users
+  // of it share (initialized, memory given); `what` names the use in the errors.
+  absl::Status RegisterHost(char* data, int64_t bytes, unsigned int flags, absl::string_view what);
 
   // Memory clients registered (cuda_backend_memory.cc): changed on RPC threads under
   // regions_mu; Launch plans with its own copy, `ranges`, re-read when regions_version moved.

@@ -157,19 +157,24 @@ void CudaBackend::CloseDeviceMemory(char* data) {
   cudaGetLastError();
 }
 
-absl::Status CudaBackend::PinHostMemory(char* data, int64_t bytes) {
-  Impl& d = *impl_;
-  if (!d.initialized) return absl::FailedPreconditionError("backend not initialized");
+absl::Status CudaBackend::Impl::RegisterHost(char* data, int64_t bytes, unsigned int flags,
+                                             absl::string_view what) {
+  if (!initialized) return absl::FailedPreconditionError("backend not initialized");
   if (data == nullptr || bytes <= 0) {
-    return absl::FailedPreconditionError("pinning needs memory and bytes > 0");
+    return absl::FailedPreconditionError(absl::StrCat(what, " needs memory and bytes > 0"));
   }
-  if (cudaError_t e = cudaSetDevice(d.options.device); e != cudaSuccess) {
+  if (cudaError_t e = cudaSetDevice(options.device); e != cudaSuccess) {
     return Refused("cudaSetDevice", e);
   }
-  if (cudaError_t e = cudaHostRegister(data, static_cast<size_t>(bytes), cudaHostRegisterPortable);
-      e != cudaSuccess) {
-    return Refused(absl::StrCat("cudaHostRegister of ", bytes, " bytes"), e);
+  if (cudaError_t e = cudaHostRegister(data, static_cast<size_t>(bytes), flags); e != cudaSuccess) {
+    return Refused(absl::StrCat("cudaHostRegister (", what, ") of ", bytes, " bytes"), e);
   }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::PinHostMemory(char* data, int64_t bytes) {
+  Impl& d = *impl_;
+  PA_RETURN_IF_ERROR(d.RegisterHost(data, bytes, cudaHostRegisterPortable, "pinning"));
   absl::MutexLock lock(&d.regions_mu);
   auto at = std::lower_bound(
       d.regions.begin(), d.regions.end(), static_cast<const char*>(data),
@@ -208,20 +213,10 @@ absl::Status CudaBackend::Impl::LoadStreamWords() {
 
 absl::StatusOr<uint64_t> CudaBackend::MapSyncWords(char* data, int64_t bytes) {
   Impl& d = *impl_;
-  if (!d.initialized) return absl::FailedPreconditionError("backend not initialized");
-  if (data == nullptr || bytes <= 0) {
-    return absl::FailedPreconditionError("mapping sync words needs memory and bytes > 0");
-  }
-  if (cudaError_t e = cudaSetDevice(d.options.device); e != cudaSuccess) {
-    return Refused("cudaSetDevice", e);
-  }
   // Checked here so that a caller learns at open time, not at its first step.
-  if (absl::Status s = d.LoadStreamWords(); !s.ok()) return s;
-  if (cudaError_t e = cudaHostRegister(data, static_cast<size_t>(bytes),
-                                       cudaHostRegisterMapped | cudaHostRegisterPortable);
-      e != cudaSuccess) {
-    return Refused(absl::StrCat("cudaHostRegister (mapped) of ", bytes, " bytes"), e);
-  }
+  PA_RETURN_IF_ERROR(d.LoadStreamWords());
+  PA_RETURN_IF_ERROR(d.RegisterHost(data, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable,
+                                    "mapping sync words"));
   void* device = nullptr;
   if (cudaError_t e = cudaHostGetDevicePointer(&device, data, 0); e != cudaSuccess) {
     cudaHostUnregister(data);

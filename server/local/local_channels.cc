@@ -79,7 +79,7 @@ class Channel {
 
   // gpu_sync: the sync area mapped for the device (its host and device addresses), and per
   // submission slot the token the server's stream waits for in ready[] (0: none) and since
-  // when (steady nanoseconds), until the submission completes.
+  // when (absl::Now as Unix nanoseconds), until the submission completes.
   const uint32_t sync_capacity;  // submit_capacity with gpu_sync, else 0
   std::unique_ptr<std::atomic<uint32_t>[]> pending_ready;
   std::unique_ptr<std::atomic<int64_t>[]> pending_since;
@@ -95,7 +95,7 @@ class Channel {
       if (token != 0) local::ChannelRings::WriteSyncWord(rings.ready_word(s), token);
     }
   }
-  // The oldest wait whose word the caller has not written yet, if older than `timeout`.
+  // Whether a pending wait whose word the caller has not written yet is older than `timeout_ns`.
   bool WaitTimedOut(int64_t now_ns, int64_t timeout_ns) {
     for (uint32_t s = 0; s < sync_capacity; ++s) {
       const uint32_t token = pending_ready[s].load(std::memory_order_acquire);
@@ -382,8 +382,8 @@ void LocalChannels::Submit(const std::shared_ptr<Channel>& channel, const void* 
     metrics_->RecordStage(Metrics::Stage::kToWork, absl::ToDoubleSeconds(absl::Now() - start));
   }
   work->cancelled = channel->cancelled;
-  // The host reads and writes tensors in system regions at launch, outside the stream's order.
   if (waits || signals) {
+    // The host reads and writes tensors in system regions at launch, outside the stream's order.
     for (const Tensor* t : {&work->q, &work->k, &work->v, &work->output, &work->lse}) {
       if (!t->empty() && !t->on_device()) {
         finish(absl::InvalidArgumentError(
@@ -391,8 +391,6 @@ void LocalChannels::Submit(const std::shared_ptr<Channel>& channel, const void* 
         return;
       }
     }
-  }
-  if (waits || signals) {
     work->sync_group = channel->id;
     const auto device_word = [&](const uint32_t* word) {
       return channel->sync_device + static_cast<uint64_t>(reinterpret_cast<const char*>(word) -
