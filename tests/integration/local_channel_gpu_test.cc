@@ -110,7 +110,7 @@ TEST_F(LocalChannelGpuTest, CudaRegionsThroughALocalChannelMatchGrpcBitwise) {
 // another layer's q or leave another's output: each is checked against the reference.
 TEST_F(LocalChannelGpuTest, GpuSyncedLayersQueueOnTheDeviceInOrder) {
   constexpr int32_t kLayers = 6;
-  StartServer({"--backend=cuda", "--num_pages=512"}, kLayers);
+  StartServer({"--backend=cuda", "--num_pages=512", absl::StrCat("--num_layers=", kLayers)}, kLayers);
   const std::vector<uint64_t> ids = {1, 2, 3};
   for (uint64_t id : ids) Prefill(id, 300 + 77 * static_cast<int>(id));
   ASSERT_TRUE(client_->RegisterCudaMemory("gpu", region_->ipc_handle(), 0, kRegionBytes).ok());
