@@ -10,6 +10,8 @@
 #include "client/local_channel.h"
 #include "client/loadgen/run_state.h"
 #ifdef PAGEDATTN_LOADGEN_CUDA
+#include <cuda_runtime_api.h>
+
 #include "client/gpu_sync.h"
 #endif
 
@@ -224,23 +226,89 @@ bool Caller::RunStream(const Phase& phase, client::DecodeStream* stream) {
 }
 
 #ifdef PAGEDATTN_LOADGEN_CUDA
+// The latency a GPU caller sees, on its own stream: an event before each submission's ready
+// mark and one after its done wait; their distance is the time from q being ready on the
+// device to the output being usable there ("device" samples). Submissions are answered in
+// order and at most `in_flight` are outstanding, so a ring of that many pairs suffices.
+class DeviceLatency {
+ public:
+  DeviceLatency(size_t in_flight, void* stream)
+      : pairs_(in_flight), stream_(static_cast<cudaStream_t>(stream)) {
+    for (Pair& p : pairs_) {
+      if (cudaEventCreate(&p.ready) != cudaSuccess || cudaEventCreate(&p.done) != cudaSuccess) ok_ = false;
+    }
+  }
+  ~DeviceLatency() {
+    for (Pair& p : pairs_) {
+      if (p.ready != nullptr) cudaEventDestroy(p.ready);
+      if (p.done != nullptr) cudaEventDestroy(p.done);
+    }
+  }
+  DeviceLatency(const DeviceLatency&) = delete;
+  DeviceLatency& operator=(const DeviceLatency&) = delete;
+
+  // A ring of no pairs (timing off) records nothing.
+  absl::Status BeforeReady(uint64_t request_id) {
+    return pairs_.empty() ? absl::OkStatus() : Record(Get(request_id).ready);
+  }
+  absl::Status AfterDone(uint64_t request_id) {
+    return pairs_.empty() ? absl::OkStatus() : Record(Get(request_id).done);
+  }
+  // Waits for the request's done event; its distance from the ready event, in seconds.
+  absl::StatusOr<double> Seconds(uint64_t request_id) {
+    if (pairs_.empty()) return 0.0;
+    Pair& p = Get(request_id);
+    float ms = 0.0f;
+    if (cudaEventSynchronize(p.done) != cudaSuccess || cudaEventElapsedTime(&ms, p.ready, p.done) != cudaSuccess) {
+      return absl::InternalError(absl::StrCat("device latency: ", cudaGetErrorString(cudaGetLastError())));
+    }
+    return ms * 1e-3;
+  }
+
+ private:
+  struct Pair {
+    cudaEvent_t ready = nullptr;
+    cudaEvent_t done = nullptr;
+  };
+  Pair& Get(uint64_t request_id) { return pairs_[request_id % pairs_.size()]; }
+  absl::Status Record(cudaEvent_t event) {
+    if (!ok_) return absl::InternalError("device latency: cudaEventCreate failed");
+    if (cudaEventRecord(event, stream_) != cudaSuccess) {
+      return absl::InternalError(absl::StrCat("cudaEventRecord: ", cudaGetErrorString(cudaGetLastError())));
+    }
+    return absl::OkStatus();
+  }
+
+  std::vector<Pair> pairs_;
+  cudaStream_t stream_;
+  bool ok_ = true;
+};
+
 bool Caller::RunLocalSynced(const Phase& phase, const client::GpuSync& sync) {
   const auto fail = [&](const absl::Status& status) {
     state_.CountError(status);
     return false;
   };
+  DeviceLatency device(
+      state_.options.device_latency ? static_cast<size_t>(std::max(1, state_.options.stream_in_flight)) : 0,
+      sync.stream());
   return RunPipelined(
       phase, "Decode",
       [&](const v1::DecodeRequest& request) {
         const uint64_t n = local_->next_submission();
-        absl::Status s = sync.MarkReady(nullptr, n);
+        absl::Status s = device.BeforeReady(request.request_id());
+        if (s.ok()) s = sync.MarkReady(nullptr, n);
         if (s.ok()) s = local_->Submit(request, local::kSubmitWaitReady | local::kSubmitSignalDone);
         if (s.ok()) s = sync.WaitDone(nullptr, n);
+        if (s.ok()) s = device.AfterDone(request.request_id());
         return s.ok() || fail(s);
       },
       [&](v1::DecodeResponse* response, absl::Status* status) {
         absl::StatusOr<client::LocalChannel::Completion> done = local_->Next(absl::Seconds(30));
         if (!done.ok()) return fail(done.status());
+        absl::StatusOr<double> seconds = device.Seconds(done->request_id);
+        if (!seconds.ok()) return fail(seconds.status());
+        if (phase.timed && done->status.ok() && state_.options.device_latency) samples_.Add("device", *seconds);
         response->set_request_id(done->request_id);  // the outputs are in the slot's region
         *status = done->status;
         return true;

@@ -40,6 +40,9 @@ absl::Status Validate(const LoadGenOptions& o, const v1::GetModelConfigResponse&
   if (o.local_gpu_sync && (o.transport != "local" || o.tensors != "cuda")) {
     return absl::InvalidArgumentError("--local_gpu_sync needs --transport=local and --tensors=cuda");
   }
+  if (o.device_latency && !o.local_gpu_sync) {
+    return absl::InvalidArgumentError("--device_latency times --local_gpu_sync callers only");
+  }
 #ifndef PAGEDATTN_LOADGEN_CUDA
   if (o.local_gpu_sync) return absl::FailedPreconditionError("--local_gpu_sync needs a build with CUDA");
 #endif

@@ -60,6 +60,7 @@ struct LoadGenOptions {
   // through the channel's sync words (client/gpu_sync.h) instead of on its host, with up to
   // stream_in_flight submissions outstanding.
   bool local_gpu_sync = false;
+  bool device_latency = false;  // with local_gpu_sync: CUDA events time each step on the caller's stream
   int32_t max_retries = 10;          // UNAVAILABLE answers retried per request
   std::string metrics_address;       // the server's Prometheus host:port; empty: not read
   // GetModelConfig round trips timed before the timed phase: the RPC floor of this client and

@@ -77,6 +77,9 @@ ABSL_FLAG(int64_t, local_spin_us, 2000,
 ABSL_FLAG(bool, local_gpu_sync, false,
           "--transport=local --tensors=cuda: order each caller's steps on its GPU through the channel's "
           "sync words (no host round trip per layer), with --stream_in_flight submissions outstanding");
+ABSL_FLAG(bool, device_latency, false,
+          "--local_gpu_sync: also time each step on the caller's stream with CUDA events (the device "
+          "latency); off by default: the one run with it saw the server's kernels slow down");
 ABSL_FLAG(int32_t, cuda_device, 0, "--tensors=cuda: the CUDA device of the registered memory");
 ABSL_FLAG(int32_t, max_retries, 10, "Retries of a Decode answered UNAVAILABLE");
 
@@ -136,6 +139,7 @@ pagedattn::loadgen::LoadGenOptions OptionsFromFlags() {
   o.transport = absl::GetFlag(FLAGS_transport);
   o.local_spin = absl::Microseconds(absl::GetFlag(FLAGS_local_spin_us));
   o.local_gpu_sync = absl::GetFlag(FLAGS_local_gpu_sync);
+  o.device_latency = absl::GetFlag(FLAGS_device_latency);
   o.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   o.max_retries = absl::GetFlag(FLAGS_max_retries);
   o.metrics_address = absl::GetFlag(FLAGS_metrics_address);

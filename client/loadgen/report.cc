@@ -304,6 +304,13 @@ std::string FormatSummary(const Json& r) {
       Get(r, {"throughput", "kv_gb_per_s"}), rpc, Get(r, {"latency", rpc, "p50_us"}),
       Get(r, {"latency", rpc, "p90_us"}), Get(r, {"latency", rpc, "p99_us"}), Get(r, {"latency", "step", "p50_us"}));
   const double kernel = Get(r, {"derived", "kernel_mean_us"});
+  // A GPU-synchronised local caller's latency on its own stream (--local_gpu_sync).
+  if (const double device = Get(r, {"latency", "device", "p50_us"}); std::isfinite(device)) {
+    out += absl::StrFormat("  device latency (caller's stream, q ready -> output usable): p50 %.1f us, p90 %.1f us, "
+                           "p99 %.1f us; p50 - kernel mean = %.1f us, p50/kernel mean = %.2fx\n",
+                           device, Get(r, {"latency", "device", "p90_us"}), Get(r, {"latency", "device", "p99_us"}),
+                           device - kernel, device / kernel);
+  }
   if (std::isfinite(kernel)) {
     out += absl::StrFormat(
         "  server: kernel mean %.1f us, queue mean %.1f us, batch size mean %.1f; request p50 - kernel = %.1f us, "

@@ -11,6 +11,9 @@
 #   b64_ctx4096_c2_local          two callers, B=64 each       [>= 0.97 of kernel-alone throughput]
 #   *_gsync                       the same over local channels with the steps ordered on the
 #                                 callers' GPU (--local_gpu_sync, 4 submissions outstanding)
+#   *_gsync_timed                 the same, with CUDA events on the caller's stream timing each
+#                                 step there ("device latency"): run beside the untimed ones
+#                                 because the events may cost the server's kernels time
 # Writes OUT_DIR/<run>.json and summary.txt. SMOKE=1: tiny shapes on a CPU-backend server with
 # system regions, to try the script without a GPU. SERVER: the server binary's name in BUNDLE/bin
 # (default pagedattn-server), to measure a variant; L56=0 leaves out the 56-layer runs.
@@ -62,6 +65,13 @@ if [[ $tensors == cuda ]]; then
     --batch_size=$b --context_len=$ctx --warmup_steps=20 --steps=$steps --check_sequences=4 --check_decodes=32
   run "b${b}_ctx${ctx}_c2_gsync" --transport=local --local_gpu_sync --stream_in_flight=4 --concurrency=2 \
     --batch_size=$b --context_len=$ctx --warmup_steps=20 --steps=$steps
+  run "b1_ctx${small_ctx}_c1_gsync" --transport=local --local_gpu_sync --stream_in_flight=4 --concurrency=1 \
+    --batch_size=1 --context_len=$small_ctx --warmup_steps=200 --steps=$small_steps --check_sequences=1 --check_decodes=32
+  for shape in "$b $ctx $steps" "1 $small_ctx $small_steps"; do
+    read -r tb tctx tsteps <<< "$shape"
+    run "b${tb}_ctx${tctx}_c1_gsync_timed" --transport=local --local_gpu_sync --stream_in_flight=4 --device_latency \
+      --concurrency=1 --batch_size=$tb --context_len=$tctx --warmup_steps=20 --steps=$tsteps
+  done
 fi
 stop_server
 if [[ ${L56:-1} != 0 ]]; then
