@@ -77,6 +77,11 @@ case $case in
     loadgen --transport=local --steps=1 2>"$work/err.txt" || rc=$?
     [[ $rc == 2 ]] || { echo "expected exit 2 (bad flags) for --transport=local with inline tensors, got $rc"; exit 1; }
     grep -q "tensors=system or cuda" "$work/err.txt" || { cat "$work/err.txt"; exit 1; }
+    # Timing on the caller's stream is for GPU-synchronised callers only.
+    rc=0
+    loadgen --transport=local --tensors=system --device_latency --steps=1 2>"$work/err.txt" || rc=$?
+    [[ $rc == 2 ]] || { echo "expected exit 2 (bad flags) for --device_latency alone, got $rc"; exit 1; }
+    grep -q "local_gpu_sync callers only" "$work/err.txt" || { cat "$work/err.txt"; exit 1; }
     ;;
   open_workload)
     loadgen --mode=open --rate=200 --arrival=fixed --lengths=workload \
