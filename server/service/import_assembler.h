@@ -36,7 +36,7 @@ class ImportAssembler {
   // One chunk's rows: span.num_tokens == 0 for the one chunk of a sequence of length 0.
   struct Rows {
     SequenceSource::Span span;
-    std::shared_ptr<const void> holder;  // the regions' leases of referenced rows (else null)
+    std::shared_ptr<const void> holder;  // referenced rows: their regions' leases; inline: null
   };
 
   // `regions` (nullable: then every reference is NOT_FOUND) outlives the assembler.

@@ -213,12 +213,16 @@ void ImportReactor::OnReadDone(bool ok) {
     return;
   }
   const bool first = !assembler_.started();
-  absl::StatusOr<ImportAssembler::Rows> rows = assembler_.Add(chunk_);
+  // The engine copies inline rows from this chunk's own bytes: the chunk goes with them.
+  auto read = std::make_shared<v1::ImportSequenceChunk>(std::move(chunk_));
+  chunk_.Clear();
+  absl::StatusOr<ImportAssembler::Rows> rows = assembler_.Add(*read);
   if (!rows.ok()) {
     lock.unlock();
     End(false, rows.status());
     return;
   }
+  if (rows->holder == nullptr) rows->holder = std::move(read);
   if (!first) {
     lock.unlock();
     Write(*std::move(rows));

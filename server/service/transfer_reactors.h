@@ -133,7 +133,9 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::ImportSequenceChu
   std::mutex mu_;
   ImportAssembler assembler_;
   std::shared_ptr<PendingImport> import_;  // from the engine's BeginImport until End
-  v1::ImportSequenceChunk chunk_;          // the last chunk read (inline rows point into it)
+  // Filled by gRPC's read; each chunk read is moved out into the rows handed to the engine, so
+  // the next read fills fresh buffers, never ones the engine may still be copying from.
+  v1::ImportSequenceChunk chunk_;
 };
 
 }  // namespace pagedattn
