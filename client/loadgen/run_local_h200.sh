@@ -16,7 +16,10 @@
 #                                 because the events may cost the server's kernels time
 # Writes OUT_DIR/<run>.json and summary.txt. SMOKE=1: tiny shapes on a CPU-backend server with
 # system regions, to try the script without a GPU. SERVER: the server binary's name in BUNDLE/bin
-# (default pagedattn-server), to measure a variant; L56=0 leaves out the 56-layer runs.
+# (default pagedattn-server), to measure a variant; L56=0 leaves out the 56-layer runs; MPS=1
+# runs everything under an MPS control daemon started here (one GPU context for the server and
+# the loadgen: what a GPU caller that records its own work between layers needs; see
+# docs/operations.md) and stopped at the end.
 set -uo pipefail
 out=${1:?usage: run_local_h200.sh OUT_DIR [BUNDLE]}
 bundle=$(cd "${2:-.device/bundle}" && pwd) || exit 2
@@ -29,6 +32,13 @@ pages=40000 l56_pages=5000
 if [[ ${SMOKE:-0} == 1 ]]; then
   b=4 ctx=256 small_ctx=128 steps=20 small_steps=50 l56_steps=3 tensors=system backend=cpu
   pages=2000 l56_pages=100
+fi
+if [[ ${MPS:-0} == 1 ]]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/pagedattn-mps-$$ CUDA_MPS_LOG_DIRECTORY=/tmp/pagedattn-mps-$$-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "MPS=1: nvidia-cuda-mps-control -d failed" >&2; exit 2; }
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  echo "MPS: on (control daemon at $CUDA_MPS_PIPE_DIRECTORY)" >> "$out/summary.txt"
 fi
 socket=/tmp/pagedattn-local-$$.sock
 server_pid=
