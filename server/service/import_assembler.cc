@@ -35,7 +35,9 @@ absl::Status ImportAssembler::CheckPages(const v1::ImportSequenceChunk& chunk) c
   return absl::OkStatus();
 }
 
-absl::StatusOr<ImportAssembler::Rows> ImportAssembler::Add(const v1::ImportSequenceChunk& chunk) {
+absl::StatusOr<ImportAssembler::Rows> ImportAssembler::Add(
+    std::shared_ptr<const v1::ImportSequenceChunk> held) {
+  const v1::ImportSequenceChunk& chunk = *held;
   if (!started_) {
     if (!chunk.has_sequence_id() || !chunk.has_length()) {
       return absl::InvalidArgumentError("the first chunk must carry sequence_id and length");
@@ -102,15 +104,16 @@ absl::StatusOr<ImportAssembler::Rows> ImportAssembler::Add(const v1::ImportSeque
     return absl::InvalidArgumentError(absl::StrCat("chunk of layer ", layer, " tokens [", first, ", ",
                                                    first + chunk.num_tokens(), ") past length ", length));
   }
-  absl::StatusOr<Rows> rows = TakeRows(chunk, layer, first);
+  absl::StatusOr<Rows> rows = TakeRows(std::move(held), layer, first);
   if (!rows.ok()) return rows.status();
   layer_ = layer;
   next_token_ = first + chunk.num_tokens();
   return rows;
 }
 
-absl::StatusOr<ImportAssembler::Rows> ImportAssembler::TakeRows(const v1::ImportSequenceChunk& chunk,
-                                                                int32_t layer, int64_t first) const {
+absl::StatusOr<ImportAssembler::Rows> ImportAssembler::TakeRows(
+    std::shared_ptr<const v1::ImportSequenceChunk> held, int32_t layer, int64_t first) const {
+  const v1::ImportSequenceChunk& chunk = *held;
   const kernels::Shape model = config_.shape();
   const int64_t row_bytes = model.kv_token_bytes();
   const int64_t n = chunk.num_tokens();
@@ -153,7 +156,7 @@ absl::StatusOr<ImportAssembler::Rows> ImportAssembler::TakeRows(const v1::Import
                                                    " tokens), got ", chunk.k().size(), " and ",
                                                    chunk.v().size()));
   }
-  return Rows{{layer, first, n, chunk.k().data(), chunk.v().data(), false}, nullptr};
+  return Rows{{layer, first, n, chunk.k().data(), chunk.v().data(), false}, std::move(held)};
 }
 
 absl::Status ImportAssembler::Finish() const {

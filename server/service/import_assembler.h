@@ -14,9 +14,9 @@
 // pool's capacity (num_pages * page_size tokens) is RESOURCE_EXHAUSTED. Finish:
 // INVALID_ARGUMENT when tokens are missing.
 //
-// Each chunk's rows are handed out as they come (Add): inline ones as a view of the chunk's own
-// bytes (valid while the chunk message is), referenced ones as a view of their region with its
-// leases, so that the import copies them into its pages chunk by chunk. Not thread-safe (one
+// Each chunk's rows are handed out as they come (Add), with what keeps their bytes valid until
+// the import has copied them into its pages: inline ones as a view of the chunk's own bytes with
+// the chunk, referenced ones as a view of their region with its leases. Not thread-safe (one
 // stream's reads come one at a time).
 #pragma once
 
@@ -36,7 +36,7 @@ class ImportAssembler {
   // One chunk's rows: span.num_tokens == 0 for the one chunk of a sequence of length 0.
   struct Rows {
     SequenceSource::Span span;
-    std::shared_ptr<const void> holder;  // referenced rows: their regions' leases; inline: null
+    std::shared_ptr<const void> holder;  // keeps span's rows valid: the chunk, or regions' leases
   };
 
   // `regions` (nullable: then every reference is NOT_FOUND) outlives the assembler.
@@ -44,7 +44,7 @@ class ImportAssembler {
       : config_(config), regions_(regions) {}
 
   // Checks one chunk and returns its rows; on error the assembler must not be used again.
-  absl::StatusOr<Rows> Add(const v1::ImportSequenceChunk& chunk);
+  absl::StatusOr<Rows> Add(std::shared_ptr<const v1::ImportSequenceChunk> chunk);
   bool started() const { return started_; }
   uint64_t sequence_id() const { return sequence_id_; }
   int64_t length() const { return length_; }
@@ -55,7 +55,7 @@ class ImportAssembler {
   // The first chunk's page type and fp8 scales, when given, are this server's.
   absl::Status CheckPages(const v1::ImportSequenceChunk& chunk) const;
   // The chunk's rows (resolving references), once its place in the stream is checked.
-  absl::StatusOr<Rows> TakeRows(const v1::ImportSequenceChunk& chunk, int32_t layer,
+  absl::StatusOr<Rows> TakeRows(std::shared_ptr<const v1::ImportSequenceChunk> held, int32_t layer,
                                 int64_t first) const;
   const ModelConfig config_;
   const MemoryRegistry* const regions_;

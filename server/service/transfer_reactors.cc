@@ -213,16 +213,15 @@ void ImportReactor::OnReadDone(bool ok) {
     return;
   }
   const bool first = !assembler_.started();
-  // The engine copies inline rows from this chunk's own bytes: the chunk goes with them.
-  auto read = std::make_shared<v1::ImportSequenceChunk>(std::move(chunk_));
+  // Moved out: inline rows keep the chunk (Rows::holder), and the next read fills fresh buffers.
+  absl::StatusOr<ImportAssembler::Rows> rows =
+      assembler_.Add(std::make_shared<const v1::ImportSequenceChunk>(std::move(chunk_)));
   chunk_.Clear();
-  absl::StatusOr<ImportAssembler::Rows> rows = assembler_.Add(*read);
   if (!rows.ok()) {
     lock.unlock();
     End(false, rows.status());
     return;
   }
-  if (rows->holder == nullptr) rows->holder = std::move(read);
   if (!first) {
     lock.unlock();
     Write(*std::move(rows));

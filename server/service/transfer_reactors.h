@@ -133,8 +133,9 @@ class ImportReactor final : public grpc::ServerReadReactor<v1::ImportSequenceChu
   std::mutex mu_;
   ImportAssembler assembler_;
   std::shared_ptr<PendingImport> import_;  // from the engine's BeginImport until End
-  // Filled by gRPC's read; each chunk read is moved out into the rows handed to the engine, so
-  // the next read fills fresh buffers, never ones the engine may still be copying from.
+  // Filled by gRPC's read; each chunk read is moved out into the rows handed to the engine
+  // (ImportAssembler::Rows::holder), so the next read never fills buffers the engine may still
+  // be copying from.
   v1::ImportSequenceChunk chunk_;
 };
 
