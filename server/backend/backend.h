@@ -77,7 +77,10 @@ struct BackendBatch {
   };
   std::vector<SyncWord> waits, signals;
 
-  // Set by the backend when Wait returns OK: seconds the attention took (0 without attention).
+  // Set by the backend when Wait returns OK: whether this batch was timed (a GPU backend times
+  // one batch in several: Tuning::timed_every), and if so the seconds its attention took (0
+  // without attention) and the device stages below.
+  bool timed = false;
   double kernel_seconds = 0.0;
   // Set by a backend that stages through host buffers (the CUDA one; 0 elsewhere), for the
   // stage metrics: Launch's planning of the kernel's work and host copies into its staging buffers, Wait's copies of the outputs
@@ -104,6 +107,7 @@ struct BackendBatch {
     sequences_distinct = false;
     waits.clear();
     signals.clear();
+    timed = false;
     kernel_seconds = 0.0;
     plan_seconds = 0.0;
     pack_seconds = 0.0;

@@ -131,6 +131,7 @@ absl::Status CpuBackend::Run(BackendBatch* batch) {
   });
   batch->kernel_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  batch->timed = true;
 
   for (int32_t i = 0; i < b; ++i) {
     std::memcpy(batch->output[i], out_staging_.data() + i * model.query_elems(),

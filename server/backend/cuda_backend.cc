@@ -85,7 +85,8 @@ CudaBackend::Impl::~Impl() {
     if (slot.dev_in != nullptr) cudaFree(slot.dev_in);
     if (slot.host_out != nullptr) cudaFreeHost(slot.host_out);
     if (slot.dev_out != nullptr) cudaFree(slot.dev_out);
-    for (cudaEvent_t e : {slot.staged, slot.begin, slot.start, slot.stop, slot.done, slot.pool_done}) {
+    for (cudaEvent_t e :
+         {slot.staged, slot.begin, slot.start, slot.stop, slot.end, slot.done, slot.pool_done}) {
       if (e != nullptr) cudaEventDestroy(e);
     }
     if (slot.stream != nullptr && slot.stream != shared_stream) cudaStreamDestroy(slot.stream);
@@ -123,6 +124,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Options& 
   if (options.tuning.num_ctas < 0 || options.tuning.num_ctas > k::kMaxPlanCtas) {
     return absl::InvalidArgumentError(absl::StrCat("num_ctas must be in 0..", k::kMaxPlanCtas));
   }
+  if (options.tuning.timed_every < 1) return absl::InvalidArgumentError("timed_every must be >= 1");
   if (options.spin_wait_us < 0) return absl::InvalidArgumentError("spin_wait_us must be >= 0");
   if (options.wait_timeout_ms <= 0) return absl::InvalidArgumentError("wait_timeout_ms must be > 0");
   if (options.copy_threads < 1 || options.copy_threads > 64) {
@@ -265,7 +267,8 @@ absl::Status CudaBackend::Impl::Allocate() {
     PA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&slot.begin));
     PA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&slot.start));
     PA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&slot.stop));
-    PA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&slot.done));
+    PA_CUDA_RETURN_IF_ERROR(cudaEventCreate(&slot.end));
+    PA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
     PA_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&slot.pool_done, cudaEventDisableTiming));
     slot.stream = shared_stream;
     if (options.tuning.stream_per_slot) {

@@ -65,9 +65,11 @@ class CudaBackend final : public Backend {
   // ways on the H200. Tests and benchmarks set the others to compare or to cover both paths;
   // the server leaves them alone.
   struct Tuning {
-    // The decoder's plan of a batch made on a helper thread (helper_thread.h) while the
-    // launching thread issues the batch's row copies and packs its tables; false: in line.
-    // The helper spins spin_wait_us after each plan, like the copy threads.
+    // The decoder's plan of a round whose rows the host packs made on a helper thread
+    // (helper_thread.h) while the launching thread packs them; false: in line. Rounds whose
+    // rows are copied straight from their blocks or read in place plan in line either way:
+    // beside a pack of only the tables the hand-off costs more than it hides. The helper
+    // spins spin_wait_us after each plan, like the copy threads.
     bool plan_on_helper = true;
     // A round of decode steps (KernelAppendRows, cuda_staging.h) has its new tokens written
     // into the pool by the decode kernel, each just before it reads the token's page, instead
@@ -82,6 +84,10 @@ class CudaBackend final : public Backend {
     // they are copied back from the device like any other direct batch's.
     bool kernel_writes_outputs = true;
     int32_t num_ctas = 0;  // decoder thread blocks; 0: one per SM
+    // One batch in this many records CUDA timing events (kernel_seconds, device_in and
+    // device_out; BackendBatch::timed): each costs the launch path about a microsecond on the
+    // GPU host, a B=1 step ~3 µs in all. 1: every batch.
+    int32_t timed_every = 8;
   };
   struct Options {
     int32_t device = 0;             // CUDA device ordinal

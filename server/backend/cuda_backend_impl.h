@@ -60,17 +60,20 @@ struct Slot {
   char* host_out = nullptr;  // pinned [OutputBytes]: output rows, then lse rows
   char* dev_out = nullptr;   // device [OutputBytes]
   cudaEvent_t staged = nullptr;  // a round of a multi-round batch is done (host_in free again)
-  cudaEvent_t begin = nullptr;   // before the batch's input copy (device_in_seconds), in one
-                                 // batch of kDeviceInEvery (timed_in)
-  cudaEvent_t start = nullptr;   // around the attention, for kernel_seconds
+  // Timing events, recorded by a sampled batch only (Tuning::timed_every): before its input
+  // copy (device_in_seconds), around its attention (kernel_seconds), after its outputs
+  // (device_out_seconds).
+  cudaEvent_t begin = nullptr;
+  cudaEvent_t start = nullptr;
   cudaEvent_t stop = nullptr;
-  cudaEvent_t done = nullptr;    // the whole batch, outputs in host_out (device_out_seconds)
-  cudaEvent_t pool_done = nullptr;  // the batch's work on the pool, when it has no attention
-                                    // (else `stop` marks it)
+  cudaEvent_t end = nullptr;
+  cudaEvent_t done = nullptr;       // the whole batch (no timing: Wait's and Ready's)
+  cudaEvent_t pool_done = nullptr;  // the batch's pool work, where more work follows it and
+                                    // `stop` does not mark it
   cudaStream_t stream = nullptr;    // the slot's own stream, or the backend's shared one
   BackendBatch* batch = nullptr;    // launched, not yet waited
-  bool timed = false;               // start/stop recorded (the batch has attention)
-  bool timed_in = false;            // begin recorded
+  bool attention = false;           // the batch has attention (it has outputs)
+  bool sampled = false;             // the batch records the timing events
   OutputMode out = OutputMode::kCopyAndUnpack;  // how Wait finds the outputs
   // kCopyAndUnpack of a batch with device output rows: the host runs Wait unpacks
   // (LaunchPlan::out_runs, kept here since the next Launch re-plans).

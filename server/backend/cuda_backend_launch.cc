@@ -21,10 +21,6 @@ using cuda_backend_internal::Slot;
 
 namespace {
 
-// One batch in this many records the begin event (the device_in stage): the event is a call
-// before the batch's row copies, which start the device's chain up to the attention.
-constexpr int64_t kDeviceInEvery = 8;
-
 // A round's plan, run on the helper (or in line without one) and joined before the round's
 // tables are copied, or on any way out of the round: the task refers to the round's locals.
 class PlanOnHelper {
@@ -67,12 +63,12 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch,
                                         absl::Status* refused) {
   const cudaStream_t stream = slot.stream;  // everything of this batch goes on its slot's stream
   const LaunchPlan& lp = launch_plan;
-  slot.timed = false;
+  slot.attention = false;
   slot.pack_seconds = 0.0;
   slot.plan_seconds = 0.0;
-  // The begin event (the device_in stage) costs a call before the row copies: one batch in
-  // kDeviceInEvery records it.
-  slot.timed_in = launches++ % kDeviceInEvery == 0;
+  // A timing event costs the launch path about a microsecond: one batch in timed_every records
+  // them.
+  slot.sampled = launches++ % options.tuning.timed_every == 0;
   // Callers' GPU work that produces the batch's tensors: nothing of the batch runs before it.
   if (!batch.waits.empty() || !batch.signals.empty()) {
     PA_RETURN_IF_ERROR(LoadStreamWords());
@@ -89,26 +85,32 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch,
     // (with a timeout, so the decoder's own wait for its previous table copy never blocks).
     if (i + 1 < lp.rounds.size()) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.staged, stream));
   }
-  // The end of the attention is the end of the batch's pool work: one event serves as both.
-  if (slot.timed) {
+  // The end of the attention is the end of the batch's pool work: one event marks both. Where
+  // nothing follows it (the kernel wrote the outputs, no caller waits on the device), the done
+  // event marks it too.
+  const bool timed = slot.attention && slot.sampled;
+  const bool more = (slot.attention && (slot.out != OutputMode::kKernelWrites ||
+                                        !lp.out_device_runs.empty())) ||
+                    !batch.signals.empty();
+  if (timed) {
     PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.stop, stream));
     last_pool_done = slot.stop;
-  } else {
+  } else if (more) {
     PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.pool_done, stream));
     last_pool_done = slot.pool_done;
   }
-  if (slot.timed && slot.out == OutputMode::kCopyToBlocks) {
+  if (slot.attention && slot.out == OutputMode::kCopyToBlocks) {
     for (const DeviceRun& run : lp.out_runs) {
       PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(run.host, slot.dev_out + run.offset, run.bytes,
                                               cudaMemcpyDeviceToHost, stream));
     }
-  } else if (slot.timed && slot.out == OutputMode::kCopyAndUnpack) {
+  } else if (slot.attention && slot.out == OutputMode::kCopyAndUnpack) {
     PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.host_out, slot.dev_out,
                                             OutputBytes(shape.model, batch.plan.batch_size()),
                                             cudaMemcpyDeviceToHost, stream));
   }
   // Output rows in a client's device memory: copied there on the device.
-  if (slot.timed) {
+  if (slot.attention) {
     for (const DeviceRun& run : lp.out_device_runs) {
       PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(run.host, slot.dev_out + run.offset, run.bytes,
                                               cudaMemcpyDefault, stream));
@@ -118,7 +120,9 @@ absl::Status CudaBackend::Impl::Enqueue(Slot& slot, const BackendBatch& batch,
   for (const BackendBatch::SyncWord& w : batch.signals) {
     PA_CUDA_RETURN_IF_ERROR(stream_words->Write(stream, w.address, w.token));
   }
+  if (timed) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.end, stream));
   PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.done, stream));
+  if (!timed && !more) last_pool_done = slot.done;
   return absl::OkStatus();
 }
 
@@ -133,8 +137,9 @@ absl::Status CudaBackend::Impl::StageRound(Slot& slot, const BackendBatch& batch
   char* const h = slot.host_in;
   char* const dev = slot.dev_in;
   // The decoder plans into the arena (its tables travel in the arena's copy; the slot's decoder
-  // and arena are free: the previous batch was waited, or the previous round waited for), on
-  // the helper while this thread issues the row copies and packs the tables.
+  // and arena are free: the previous batch was waited, or the previous round waited for): on
+  // the helper where this thread packs the rows meanwhile, else in line (a B=1 step over a
+  // local channel measured 3 µs faster so).
   absl::Status planned;
   size_t used = 0;
   const auto plan_task = [&] {
@@ -144,17 +149,18 @@ absl::Status CudaBackend::Impl::StageRound(Slot& slot, const BackendBatch& batch
         dev + l.plan, &used, lp.RoundAppendRows(rp)));
     slot.plan_seconds += SecondsSince(plan_begin);
   };
-  PlanOnHelper plan_join(planner.get());
-  if (ns > 0) plan_join.Post(plan_task);
+  PlanOnHelper plan_join(rp.direct_rows ? nullptr : planner.get());
+  if (ns > 0 && !rp.direct_rows) plan_join.Post(plan_task);
   // Rows straight from the requests' host blocks go first, so that they run while the host
   // plans and packs the tables.
   if (rp.direct_rows) {
-    if (i == 0 && slot.timed_in) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.begin, stream));
+    if (i == 0 && slot.sampled) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.begin, stream));
     for (int32_t run_index = rp.runs_begin; run_index < rp.runs_end; ++run_index) {
       const DeviceRun& run = lp.row_runs[run_index];
       PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev + run.offset, run.host, run.bytes,
                                               cudaMemcpyHostToDevice, stream));
     }
+    if (ns > 0) plan_join.Post(plan_task);
   }
   if (i == 0) {
     // With the row copies on their way (they only fill this slot's arena): the page ids'
@@ -216,7 +222,7 @@ absl::Status CudaBackend::Impl::StageRound(Slot& slot, const BackendBatch& batch
                                               cudaMemcpyHostToDevice, stream));
     }
   } else {
-    if (i == 0 && slot.timed_in) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.begin, stream));
+    if (i == 0 && slot.sampled) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.begin, stream));
     PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, h, end, cudaMemcpyHostToDevice, stream));
   }
   // Rows in a client's device memory, after the arena's copy from the host (which covers
@@ -276,9 +282,9 @@ absl::Status CudaBackend::Impl::LaunchRound(Slot& slot, const BackendBatch& batc
     PA_RETURN_IF_ERROR(KernelFailure(k::LaunchTokenScatter(a, stream)));
   }
   if (r.num_sequences() > 0) {
-    if (!slot.timed) {
-      PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.start, stream));
-      slot.timed = true;
+    if (!slot.attention) {
+      if (slot.sampled) PA_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.start, stream));
+      slot.attention = true;
     }
     // The outputs go into the slot's device buffer, or, when the kernel writes them, straight
     // into the batch's host block as the device addresses it, or into a client's device memory.
@@ -368,13 +374,17 @@ absl::Status CudaBackend::Wait(BackendBatch* batch) {
   }
   // Its pool work ended before its done event: the next batch need not ask (one call fewer
   // when batches come apart, as with a single caller).
-  if (d.last_pool_done == slot.stop || d.last_pool_done == slot.pool_done) {
+  if (d.last_pool_done == slot.stop || d.last_pool_done == slot.pool_done ||
+      d.last_pool_done == slot.done) {
     d.last_pool_done = nullptr;
   }
   batch->kernel_seconds = 0.0;
+  batch->device_in_seconds = 0.0;
+  batch->device_out_seconds = 0.0;
+  batch->timed = false;
   batch->pack_seconds = slot.pack_seconds;
   batch->plan_seconds = slot.plan_seconds;
-  if (slot.timed) {
+  if (slot.attention) {
     if (slot.out == OutputMode::kCopyAndUnpack) {
       const auto unpack_begin = std::chrono::steady_clock::now();
       const int32_t b = batch->plan.batch_size();
@@ -395,17 +405,19 @@ absl::Status CudaBackend::Wait(BackendBatch* batch) {
       d.copies.Run(d.copier.get());
       batch->unpack_seconds = SecondsSince(unpack_begin);
     }
+  }
+  if (slot.attention && slot.sampled) {
     const std::pair<cudaEvent_t, cudaEvent_t> intervals[] = {
-        {slot.start, slot.stop}, {slot.stop, slot.done}, {slot.begin, slot.start}};
+        {slot.start, slot.stop}, {slot.stop, slot.end}, {slot.begin, slot.start}};
     double* const seconds[] = {&batch->kernel_seconds, &batch->device_out_seconds,
                                &batch->device_in_seconds};
-    batch->device_in_seconds = 0.0;
-    for (int i = 0; i < (slot.timed_in ? 3 : 2); ++i) {
+    for (int i = 0; i < 3; ++i) {
       float ms = 0.0f;
       const cudaError_t e = cudaEventElapsedTime(&ms, intervals[i].first, intervals[i].second);
       if (e != cudaSuccess) return d.Fail(CudaError("cudaEventElapsedTime", e));
       *seconds[i] = ms * 1e-3;
     }
+    batch->timed = true;
   }
   slot.batch = nullptr;
   d.next_wait = (d.next_wait + 1) % static_cast<int32_t>(d.slots.size());

@@ -160,7 +160,10 @@ void Executor::WaitBatch(InFlight* in) {
   decoded_sequences_.fetch_add(b);
   if (metrics_ != nullptr) {
     metrics_->RecordBatchDuration(absl::ToDoubleSeconds(wait_end - in->launch_start));
-    if (b > 0) metrics_->RecordBatch(b, batch.kernel_seconds);
+    if (b > 0) {
+      metrics_->RecordBatch(b);
+      if (batch.timed) metrics_->RecordKernelDuration(batch.kernel_seconds);
+    }
     RecordStagingStages(batch);
   }
 }

@@ -72,8 +72,11 @@ class Metrics {
                      std::string_view transport = "grpc");
   // pagedattn_queue_duration_seconds: time a work item waited before its batch launched.
   void RecordQueueDuration(double seconds);
-  // pagedattn_batch_size (sequences per launch) and pagedattn_kernel_duration_seconds.
-  void RecordBatch(int64_t sequences, double kernel_seconds);
+  // pagedattn_batch_size: sequences per launch.
+  void RecordBatch(int64_t sequences);
+  // pagedattn_kernel_duration_seconds: the attention of a timed batch (every batch on the CPU
+  // backend, one in several on the CUDA backend).
+  void RecordKernelDuration(double seconds);
   // pagedattn_batch_duration_seconds: one backend batch from the start of its Launch to the
   // return of its Wait (host staging, copies, kernels, copy back: the server's step time
   // without the RPC transport).

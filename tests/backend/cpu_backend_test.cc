@@ -130,6 +130,7 @@ class CpuBackendTest : public ::testing::Test {
     }
     ASSERT_TRUE(backend_->Launch(&batch).ok());
     ASSERT_TRUE(backend_->Wait(&batch).ok());
+    EXPECT_TRUE(batch.timed);
     EXPECT_GT(batch.kernel_seconds, 0.0);
     // Nothing is staged on the CPU: the staging stages stay unrecorded.
     EXPECT_EQ(batch.pack_seconds + batch.unpack_seconds + batch.device_in_seconds +

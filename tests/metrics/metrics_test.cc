@@ -98,12 +98,13 @@ TEST(MetricsTest, LatencyBucketsResolveMicroseconds) {
 
 TEST(MetricsTest, TextExpositionNamesTheHistogramSeries) {
   Metrics metrics;
-  metrics.RecordBatch(12, 3e-5);
+  metrics.RecordBatch(12);
+  metrics.RecordKernelDuration(3e-5);
   metrics.SetPool(100, 90, 3, 640);
   const std::string text = prometheus::TextSerializer().Serialize(metrics.registry()->Collect());
   EXPECT_NE(text.find("pagedattn_batch_size_count 1"), std::string::npos) << text;
   EXPECT_NE(text.find("pagedattn_batch_size_sum 12"), std::string::npos);
-  EXPECT_NE(text.find("pagedattn_kernel_duration_seconds_bucket"), std::string::npos);
+  EXPECT_NE(text.find("pagedattn_kernel_duration_seconds_count 1"), std::string::npos);
   EXPECT_NE(text.find("pagedattn_kv_pages_free 90"), std::string::npos);
   EXPECT_NE(text.find("pagedattn_sequences 3"), std::string::npos);
 }
