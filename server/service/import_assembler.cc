@@ -104,10 +104,12 @@ absl::StatusOr<ImportAssembler::Rows> ImportAssembler::Add(
     return absl::InvalidArgumentError(absl::StrCat("chunk of layer ", layer, " tokens [", first, ", ",
                                                    first + chunk.num_tokens(), ") past length ", length));
   }
+  // `chunk` dies with `held` where the rows do not keep it (rows in regions, or an error).
+  const int64_t end = first + chunk.num_tokens();
   absl::StatusOr<Rows> rows = TakeRows(std::move(held), layer, first);
   if (!rows.ok()) return rows.status();
   layer_ = layer;
-  next_token_ = first + chunk.num_tokens();
+  next_token_ = end;
   return rows;
 }
 
