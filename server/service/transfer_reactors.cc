@@ -50,16 +50,19 @@ ExportReactor::ExportReactor(Engine* engine, const v1::ExportSequenceRequest& re
 }
 
 void ExportReactor::OnPiece(int64_t length, int32_t layer, int64_t first_token, int64_t num_tokens) {
+  Step step;
   {
     std::lock_guard<std::mutex> lock(mu_);
     length_ = length;
     ready_layer_ = layer;
     ready_token_ = first_token + num_tokens;
+    step = NextStepLocked();
   }
-  Pump();
+  Take(step);
 }
 
 void ExportReactor::OnWritten(absl::StatusOr<int64_t> length) {
+  Step step;
   {
     std::lock_guard<std::mutex> lock(mu_);
     engine_done_ = true;
@@ -69,11 +72,13 @@ void ExportReactor::OnWritten(absl::StatusOr<int64_t> length) {
       length_ = *length;
       ready_layer_ = config_.num_layers;  // every row is in place
     }
+    step = NextStepLocked();
   }
-  Pump();
+  Take(step);
 }
 
 void ExportReactor::OnData(absl::StatusOr<std::shared_ptr<const SequenceData>> data) {
+  Step step;
   {
     std::lock_guard<std::mutex> lock(mu_);
     engine_done_ = true;
@@ -84,36 +89,40 @@ void ExportReactor::OnData(absl::StatusOr<std::shared_ptr<const SequenceData>> d
       length_ = data_->length;
       ready_layer_ = config_.num_layers;
     }
+    step = NextStepLocked();
   }
-  Pump();
+  Take(step);
 }
 
 void ExportReactor::OnWriteDone(bool ok) {
+  Step step;
   {
     std::lock_guard<std::mutex> lock(mu_);
     writing_ = false;
     if (!ok && failed_.ok()) failed_ = absl::CancelledError("the client went away during the export");
+    step = NextStepLocked();
   }
-  Pump();
+  Take(step);
 }
 
-void ExportReactor::Pump() {
-  bool write = false;
-  bool finish = false;
-  absl::Status status;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (finished_ || writing_) return;
-    if (failed_.ok() && NextChunkLocked()) {
-      writing_ = write = true;
-    } else if (engine_done_) {
-      // Only once the engine no longer writes into the destination nor calls back.
-      finished_ = finish = true;
-      status = failed_;
-    }
+ExportReactor::Step ExportReactor::NextStepLocked() {
+  Step step;
+  if (finished_ || writing_) return step;
+  if (failed_.ok() && NextChunkLocked()) {
+    writing_ = step.write = true;
+  } else if (engine_done_) {
+    // Only once the engine no longer writes into the destination nor calls back.
+    finished_ = step.finish = true;
+    step.status = failed_;
   }
-  if (write) StartWrite(&chunk_);
-  if (finish) FinishWith(status);
+  return step;
+}
+
+// Outside mu_: a write in progress keeps every other thread from finishing, and a finish is
+// this thread's alone, so the reactor is alive for both.
+void ExportReactor::Take(const Step& step) {
+  if (step.write) StartWrite(&chunk_);
+  if (step.finish) FinishWith(step.status);
 }
 
 bool ExportReactor::NextChunkLocked() {

@@ -71,9 +71,18 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceCh
   void OnData(absl::StatusOr<std::shared_ptr<const SequenceData>> data);
   void OnPiece(int64_t length, int32_t layer, int64_t first_token, int64_t num_tokens);
   void OnWritten(absl::StatusOr<int64_t> length);
-  // Starts the next write if rows are ready for it and none is in progress; finishes once the
-  // engine is done and nothing is left to write (or the export failed).
-  void Pump();
+  // What to do next, decided under mu_ in the same critical section as the state change that
+  // led to it: start the next write if rows are ready for it and none is in progress, or
+  // finish once the engine is done and nothing is left to write (or the export failed). Each
+  // callback decides before it lets go of mu_, then only Takes its step: a step decided after
+  // the lock was let go could find the reactor finished and deleted by another thread.
+  struct Step {
+    bool write = false;
+    bool finish = false;
+    absl::Status status;
+  };
+  Step NextStepLocked();
+  void Take(const Step& step);
   // Fills chunk_ with the next chunk of ready rows; false when there is none (yet).
   bool NextChunkLocked();
   void FinishWith(const absl::Status& status);
