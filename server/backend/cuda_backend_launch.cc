@@ -150,7 +150,6 @@ absl::Status CudaBackend::Impl::StageRound(Slot& slot, const BackendBatch& batch
     slot.plan_seconds += SecondsSince(plan_begin);
   };
   PlanOnHelper plan_join(rp.direct_rows ? nullptr : planner.get());
-  if (ns > 0 && !rp.direct_rows) plan_join.Post(plan_task);
   // Rows straight from the requests' host blocks go first, so that they run while the host
   // plans and packs the tables.
   if (rp.direct_rows) {
@@ -160,8 +159,8 @@ absl::Status CudaBackend::Impl::StageRound(Slot& slot, const BackendBatch& batch
       PA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev + run.offset, run.host, run.bytes,
                                               cudaMemcpyHostToDevice, stream));
     }
-    if (ns > 0) plan_join.Post(plan_task);
   }
+  if (ns > 0) plan_join.Post(plan_task);
   if (i == 0) {
     // With the row copies on their way (they only fill this slot's arena): the page ids'
     // check, which must pass before any kernel touches the pool.

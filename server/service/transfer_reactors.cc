@@ -49,22 +49,30 @@ ExportReactor::ExportReactor(Engine* engine, const v1::ExportSequenceRequest& re
       [this](int64_t length, int32_t layer, int64_t first, int64_t n) { OnPiece(length, layer, first, n); });
 }
 
-void ExportReactor::OnPiece(int64_t length, int32_t layer, int64_t first_token, int64_t num_tokens) {
+// Outside mu_: a write in progress keeps every other thread from finishing, and a finish is
+// this thread's alone, so the reactor is alive for both.
+template <typename Change>
+void ExportReactor::ChangeThenStep(Change change) {
   Step step;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    change();
+    step = NextStepLocked();
+  }
+  if (step.write) StartWrite(&chunk_);
+  if (step.finish) FinishWith(step.status);
+}
+
+void ExportReactor::OnPiece(int64_t length, int32_t layer, int64_t first_token, int64_t num_tokens) {
+  ChangeThenStep([&] {
     length_ = length;
     ready_layer_ = layer;
     ready_token_ = first_token + num_tokens;
-    step = NextStepLocked();
-  }
-  Take(step);
+  });
 }
 
 void ExportReactor::OnWritten(absl::StatusOr<int64_t> length) {
-  Step step;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
+  ChangeThenStep([&] {
     engine_done_ = true;
     if (!length.ok()) {
       if (failed_.ok()) failed_ = length.status();
@@ -72,15 +80,11 @@ void ExportReactor::OnWritten(absl::StatusOr<int64_t> length) {
       length_ = *length;
       ready_layer_ = config_.num_layers;  // every row is in place
     }
-    step = NextStepLocked();
-  }
-  Take(step);
+  });
 }
 
 void ExportReactor::OnData(absl::StatusOr<std::shared_ptr<const SequenceData>> data) {
-  Step step;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
+  ChangeThenStep([&] {
     engine_done_ = true;
     if (!data.ok()) {
       failed_ = data.status();
@@ -89,20 +93,14 @@ void ExportReactor::OnData(absl::StatusOr<std::shared_ptr<const SequenceData>> d
       length_ = data_->length;
       ready_layer_ = config_.num_layers;
     }
-    step = NextStepLocked();
-  }
-  Take(step);
+  });
 }
 
 void ExportReactor::OnWriteDone(bool ok) {
-  Step step;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
+  ChangeThenStep([&] {
     writing_ = false;
     if (!ok && failed_.ok()) failed_ = absl::CancelledError("the client went away during the export");
-    step = NextStepLocked();
-  }
-  Take(step);
+  });
 }
 
 ExportReactor::Step ExportReactor::NextStepLocked() {
@@ -116,13 +114,6 @@ ExportReactor::Step ExportReactor::NextStepLocked() {
     step.status = failed_;
   }
   return step;
-}
-
-// Outside mu_: a write in progress keeps every other thread from finishing, and a finish is
-// this thread's alone, so the reactor is alive for both.
-void ExportReactor::Take(const Step& step) {
-  if (step.write) StartWrite(&chunk_);
-  if (step.finish) FinishWith(step.status);
 }
 
 bool ExportReactor::NextChunkLocked() {

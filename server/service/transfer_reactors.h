@@ -74,15 +74,18 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportSequenceCh
   // What to do next, decided under mu_ in the same critical section as the state change that
   // led to it: start the next write if rows are ready for it and none is in progress, or
   // finish once the engine is done and nothing is left to write (or the export failed). Each
-  // callback decides before it lets go of mu_, then only Takes its step: a step decided after
-  // the lock was let go could find the reactor finished and deleted by another thread.
+  // callback decides before it lets go of mu_ (ChangeThenStep), then only takes its step: a
+  // step decided after the lock was let go could find the reactor finished and deleted by
+  // another thread.
   struct Step {
     bool write = false;
     bool finish = false;
     absl::Status status;
   };
   Step NextStepLocked();
-  void Take(const Step& step);
+  // Runs `change` and NextStepLocked under mu_, then takes the step outside it.
+  template <typename Change>
+  void ChangeThenStep(Change change);
   // Fills chunk_ with the next chunk of ready rows; false when there is none (yet).
   bool NextChunkLocked();
   void FinishWith(const absl::Status& status);
