@@ -4,6 +4,7 @@
 
 #include "server/metrics/metrics.h"
 #include "server/service/call_counter.h"
+#include "server/service/grpc_handoff.h"
 #include "server/service/status.h"
 #include "server/service/unary_call.h"
 #include "server/service/validation.h"
@@ -179,7 +180,7 @@ void DecodeStreamReactor::Run(const Actions& actions) {
   // touched (see the header). Plan never asks for a finish together with a read or a write.
   if (actions.read) StartRead(&read_buffer_);
   if (actions.write != nullptr) StartWrite(actions.write);
-  if (actions.finish) Finish(actions.finish_status);
+  if (actions.finish) FinishUnrecorded([&] { Finish(actions.finish_status); });
 }
 
 }  // namespace pagedattn

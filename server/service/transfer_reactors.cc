@@ -8,6 +8,7 @@
 #include "server/memory/memory_registry.h"
 #include "server/metrics/metrics.h"
 #include "server/service/call_counter.h"
+#include "server/service/grpc_handoff.h"
 #include "server/service/status.h"
 
 namespace pagedattn {
@@ -178,7 +179,7 @@ void ExportReactor::FinishWith(const absl::Status& status) {
     metrics_->RecordRequest("ExportSequence", StatusCodeName(status.code()),
                             absl::ToDoubleSeconds(absl::Now() - start_));
   }
-  Finish(ToGrpcStatus(status));
+  FinishUnrecorded([&] { Finish(ToGrpcStatus(status)); });
 }
 
 void ExportReactor::OnDone() {
@@ -289,7 +290,7 @@ void ImportReactor::FinishWith(const absl::Status& status) {
     metrics_->RecordRequest("ImportSequence", StatusCodeName(status.code()),
                             absl::ToDoubleSeconds(absl::Now() - start_));
   }
-  Finish(ToGrpcStatus(status));
+  FinishUnrecorded([&] { Finish(ToGrpcStatus(status)); });
 }
 
 void ImportReactor::OnDone() {

@@ -4,6 +4,7 @@
 
 #include "server/metrics/metrics.h"
 #include "server/service/call_counter.h"
+#include "server/service/grpc_handoff.h"
 #include "server/service/status.h"
 
 namespace pagedattn {
@@ -30,7 +31,7 @@ void UnaryCall::Complete(const absl::Status& status) {
     metrics_->RecordRequest(method_, StatusCodeName(status.code()),
                             absl::ToDoubleSeconds(absl::Now() - start_));
   }
-  Finish(ToGrpcStatus(status));
+  FinishUnrecorded([&] { Finish(ToGrpcStatus(status)); });
 }
 
 // gRPC runs OnDone after OnCancel has returned, but orders the two inside its own library,
