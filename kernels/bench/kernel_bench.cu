@@ -78,6 +78,7 @@ int Main(int argc, char** argv) {
   bool timelines = false;
   bool sweep = false;
   bool launch_sequence = false;
+  bool small_batches = false;
   bool floors = true;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -91,12 +92,13 @@ int Main(int argc, char** argv) {
     else if (a == "--timelines") timelines = true;
     else if (a == "--sweep") sweep = true;
     else if (a == "--launch-sequence") launch_sequence = true;
+    else if (a == "--small-batches") small_batches = true;
     else if (a == "--no-floors") floors = false;
     else {
       std::fprintf(stderr,
                    "usage: %s [--workloads FILE] [--out FILE] [--iters N] [--no-uneven] "
                    "[--no-cpasync] [--variants] [--timelines] [--sweep] [--launch-sequence] "
-                   "[--default-cpasync] [--no-floors]\n",
+                   "[--small-batches] [--default-cpasync] [--no-floors]\n",
                    argv[0]);
       return 2;
     }
@@ -147,6 +149,45 @@ int Main(int argc, char** argv) {
     un[0] = 4000;  // 4000 + 300 x 16 = 8800 pages = 275 x 32
     workloads.push_back(Synthetic("uneven_1x4000_300x16", un, rng));
     workloads.push_back(Synthetic("uniform_275x32", uni, rng));
+  }
+
+  if (small_batches) {
+    // The service's small steps (default shape): the plan's smallest part (min_part_units,
+    // (page, KV head) units) against the default of 8, which keeps a B=1 step of 8 pages in 4
+    // unsplit parts. Median of `iters` runs; dirty: L2 warm, as a step finds it when the same
+    // sequences came the step before; clean: flushed.
+    const std::vector<int> mins = {8, 4, 2, 1};
+    std::vector<std::unique_ptr<pk::CudaDecoder>> ds;
+    for (int m : mins) {
+      pk::CudaDecoderOptions o;
+      o.tuning.min_part_units = m;
+      ds.emplace_back();
+      CheckStatus(pk::CudaDecoder::Create(o, &ds.back()), "Create (small batches)");
+    }
+    Flusher small_flusher(prop.multiProcessorCount);
+    std::printf("\nsmall batches: median us, dirty / clean L2, by min_part_units\n%-16s", "workload");
+    for (int m : mins) std::printf("   min %d dirty/clean", m);
+    std::printf("\n");
+    const std::vector<std::pair<std::string, std::vector<int>>> shapes = {
+        {"b1_8pages", {8}},           {"b1_16pages", {16}},         {"b1_32pages", {32}},
+        {"b1_128pages", {128}},       {"b2_8pages", std::vector<int>(2, 8)},
+        {"b4_8pages", std::vector<int>(4, 8)}, {"b8_8pages", std::vector<int>(8, 8)},
+        {"b16_8pages", std::vector<int>(16, 8)}, {"b4_64pages", std::vector<int>(4, 64)},
+        {"b64_64pages", std::vector<int>(64, 64)}};
+    for (const auto& [name, lengths] : shapes) {
+      const pt::Workload w = Synthetic(name, lengths, rng);
+      DeviceInputs in;
+      in.Init(w, rng());
+      std::printf("%-16s", name.c_str());
+      for (auto& d : ds) {
+        const double dirty = TimeDecoder(*d, w, in, small_flusher, FlushMode::kDirty, stream, iters).median_us;
+        const double clean = TimeDecoder(*d, w, in, small_flusher, FlushMode::kClean, stream, iters).median_us;
+        std::printf("   %8.2f / %7.2f", dirty, clean);
+      }
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+    return 0;
   }
 
   FILE* out = std::fopen(out_path.c_str(), "w");
