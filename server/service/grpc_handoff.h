@@ -6,9 +6,10 @@
 // tests/tsan.supp drops those reports by the filling stack (CallbackWithSuccessTag::Set). When
 // the filling thread is the engine's, which makes millions of memory accesses per batch on the
 // CPU backend, TSan has sometimes forgotten that stack by the time the tag runs, and then no
-// suppression can match the report. So in TSan builds the writes made inside Finish are not
-// recorded. Only gRPC's code runs there (it runs the reactor's callbacks and OnDone on its own
-// threads, never inside Finish), so no write of ours goes unchecked. Other builds just call it.
+// suppression can match the report. So in TSan builds the memory accesses made inside Finish
+// are not recorded (TSan's ignore-writes annotation ignores reads too; locks are still seen).
+// Only gRPC's code runs there (it runs the reactor's callbacks and OnDone on its own threads,
+// never inside Finish), so no access of ours goes unchecked. Other builds just call it.
 #pragma once
 
 #include <utility>
