@@ -180,7 +180,7 @@ void DecodeStreamReactor::Run(const Actions& actions) {
   // touched (see the header). Plan never asks for a finish together with a read or a write.
   if (actions.read) StartRead(&read_buffer_);
   if (actions.write != nullptr) StartWrite(actions.write);
-  if (actions.finish) FinishUnrecorded([&] { Finish(actions.finish_status); });
+  if (actions.finish) FinishUnrecorded(this, actions.finish_status);
 }
 
 }  // namespace pagedattn

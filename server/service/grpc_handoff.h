@@ -12,7 +12,7 @@
 // never inside Finish), so no access of ours goes unchecked. Other builds just call it.
 #pragma once
 
-#include <utility>
+#include "grpcpp/support/status.h"
 
 #if defined(__SANITIZE_THREAD__)
 #define PAGEDATTN_TSAN 1
@@ -29,15 +29,15 @@ extern "C" void AnnotateIgnoreWritesEnd(const char* file, int line);
 
 namespace pagedattn {
 
-// Calls `finish` (a lambda that calls the reactor's Finish).
-template <typename F>
-void FinishUnrecorded(F&& finish) {
+// Calls reactor->Finish(status) (any server reactor: unary, streaming or bidi).
+template <typename Reactor>
+void FinishUnrecorded(Reactor* reactor, const grpc::Status& status) {
 #ifdef PAGEDATTN_TSAN
   AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
-  std::forward<F>(finish)();
+  reactor->Finish(status);
   AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
 #else
-  std::forward<F>(finish)();
+  reactor->Finish(status);
 #endif
 }
 

@@ -179,7 +179,7 @@ void ExportReactor::FinishWith(const absl::Status& status) {
     metrics_->RecordRequest("ExportSequence", StatusCodeName(status.code()),
                             absl::ToDoubleSeconds(absl::Now() - start_));
   }
-  FinishUnrecorded([&] { Finish(ToGrpcStatus(status)); });
+  FinishUnrecorded(this, ToGrpcStatus(status));
 }
 
 void ExportReactor::OnDone() {
@@ -290,7 +290,7 @@ void ImportReactor::FinishWith(const absl::Status& status) {
     metrics_->RecordRequest("ImportSequence", StatusCodeName(status.code()),
                             absl::ToDoubleSeconds(absl::Now() - start_));
   }
-  FinishUnrecorded([&] { Finish(ToGrpcStatus(status)); });
+  FinishUnrecorded(this, ToGrpcStatus(status));
 }
 
 void ImportReactor::OnDone() {

@@ -31,7 +31,7 @@ void UnaryCall::Complete(const absl::Status& status) {
     metrics_->RecordRequest(method_, StatusCodeName(status.code()),
                             absl::ToDoubleSeconds(absl::Now() - start_));
   }
-  FinishUnrecorded([&] { Finish(ToGrpcStatus(status)); });
+  FinishUnrecorded(this, ToGrpcStatus(status));
 }
 
 // gRPC runs OnDone after OnCancel has returned, but orders the two inside its own library,
