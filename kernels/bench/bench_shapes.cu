@@ -101,6 +101,7 @@ int RunShapes(int argc, char** argv) {
   std::string shape_name;
   int iters = 100;
   int page_size = 0;
+  int head_dim = 0;
   Shape shape;
   bool fp8 = false;
   pk::CudaDecoderTuning tuning;
@@ -111,6 +112,7 @@ int RunShapes(int argc, char** argv) {
     else if (a == "--out" && i + 1 < argc) out_path = argv[++i];
     else if (a == "--iters" && i + 1 < argc) iters = std::max(1, std::atoi(argv[++i]));
     else if (a == "--page-size" && i + 1 < argc) page_size = std::atoi(argv[++i]);
+    else if (a == "--head-dim" && i + 1 < argc) head_dim = std::atoi(argv[++i]);
     else if (a == "--kv-dtype" && i + 1 < argc) fp8 = std::string(argv[++i]) == "fp8_e4m3";
     else if (a == "--dtype" && i + 1 < argc) shape.dtype = std::string(argv[++i]) == "fp16" ? DType::kFp16 : DType::kBf16;
     else if (a == "--skip-attention") tuning.skip_attention = true;
@@ -118,7 +120,7 @@ int RunShapes(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: %s --shape mixtral_tp2|llama8b|llama70b_tp8|qwen7b|gemma9b "
-                   "[--page-size N] [--dtype bf16|fp16] [--kv-dtype auto|fp8_e4m3] "
+                   "[--page-size N] [--head-dim N] [--dtype bf16|fp16] [--kv-dtype auto|fp8_e4m3] "
                    "[--workloads FILE (pages of 64)] [--out FILE] [--iters N]\n"
                    "  [--skip-attention] (loads only: the outputs are garbage) "
                    "[--tma-promo 0|64|128|256] (the copies' L2 fetch granule)\n",
@@ -136,7 +138,7 @@ int RunShapes(int argc, char** argv) {
   }
   shape.num_qo_heads = named->qo;
   shape.num_kv_heads = named->kv;
-  shape.head_dim = named->head_dim;
+  shape.head_dim = head_dim > 0 ? head_dim : named->head_dim;
   shape.page_size = page_size > 0 ? page_size : named->page_size;
   shape.kv_dtype = fp8 ? DType::kFp8E4m3 : shape.dtype;
   if (KernelStatus st = ValidateShape(shape); !st.ok()) {
