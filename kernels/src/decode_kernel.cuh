@@ -15,14 +15,15 @@
 //
 // Shapes (Config below): the description above is the default shape (24/4/128, pages of 64,
 // bf16), built with every size a constant. Other shapes are built per head dim and page type:
-// a stage still holds 64 tokens of one KV head (64 / page_size pages, one TMA box per page and
-// 128 bytes of dims), the item's query heads (1..8) fill rows 0..group-1 of A, and head counts
-// and page size come from the launch parameters; at head dims 64 and 128 the consumers take an
-// item's stages two at a time (32 tokens per warp per softmax update). fp8 pages are multiplied in fp16 (every e4m3
-// value is an fp16 value): K rows feed the MMA with their dims permuted within each 16 (the
-// query's fragments follow the same permutation), V's transposed fragments split into even and
-// odd dims (the output's order is restored when it is written). k_scale is folded into the
-// softmax scale, v_scale into the output.
+// a stage holds one or more tiles of 64 tokens of one KV head (a tile: 64 / page_size pages, one
+// TMA box per page and 128 bytes of dims; as many tiles as make 32 KiB), the item's query heads
+// (1..8) fill rows 0..group-1 of A, and head counts and page size come from the launch
+// parameters; at head dims 64 and 128 the consumers take an item's tiles two at a time (32
+// tokens per warp per softmax update). fp8 pages are multiplied in fp16 (every e4m3 value is an
+// fp16 value): K rows feed the MMA with their dims permuted within each 16 (the query's
+// fragments follow the same permutation), V's transposed fragments split into even and odd dims
+// (the output's order is restored when it is written). k_scale is folded into the softmax
+// scale, v_scale into the output.
 #pragma once
 
 #include <cuda.h>
@@ -83,12 +84,19 @@ struct Config {
   // The consumers take an item's stages two at a time where it has two left (ProcessTiles).
   // Not at head dim 256, where the second stage's fragments spill (measured 1.4x slower).
   static constexpr bool kPairs = !kFixed && kHeadDim <= 128;
-  // Stages: 6 for the default shape; else as many as fit beside the rest (at most 12: fp8
-  // pages of head dim 128 get 11 of 16 KiB, 176 KiB in flight, 8% faster than 8 of them).
+  // Tiles of 64 tokens (kStageBytes each, one after the other) per stage of the ring: enough
+  // that a stage carries 32 KiB. Each stage costs the producer a wait, a tag and its barrier
+  // handshakes whatever it holds; measured with the loads alone, 16 KiB stages reached 1.31-1.36x
+  // of the streaming read and 8 KiB ones 2.35x, where 32 KiB ones reached 1.18x. Where a stage
+  // holds tiles, the consumers take them two at a time within it.
+  static constexpr int kTilesPerStage = kFixed || kStageBytes >= 32768 ? 1 : 32768 / kStageBytes;
+  static constexpr int kRingStageBytes = kTilesPerStage * kStageBytes;
+  static_assert(kTilesPerStage == 1 || kPairs, "tiles of a stage are taken in pairs");
+  // Stages: 6 for the default shape; else as many as fit beside the rest, at most 12.
   static constexpr int kRestBytes = 4 * kConsumerWarps * kMaxGroup * (kHeadDim + 2) + 64 + 1024;
   static constexpr int kStages =
-      kFixed ? 6 : ((kSmemLimit - kRestBytes) / (kStageBytes + kQBytes + 48) < 12
-                        ? (kSmemLimit - kRestBytes) / (kStageBytes + kQBytes + 48)
+      kFixed ? 6 : ((kSmemLimit - kRestBytes) / (kRingStageBytes + kQBytes + 48) < 12
+                        ? (kSmemLimit - kRestBytes) / (kRingStageBytes + kQBytes + 48)
                         : 12);
   static_assert(kStages >= 2, "fewer than two stages fit in shared memory");
 };
@@ -109,8 +117,10 @@ inline constexpr int32_t kMergeOnSignal = 2;
 inline constexpr int32_t kTagEmpty = -1;  // no data: an empty sequence's (seq, head)
 inline constexpr int32_t kTagEnd = -2;    // no data: this CTA has no more work
 struct StageTag {
-  int32_t page;       // >= 0: page `page` of the item; else kTagEmpty or kTagEnd
-  int32_t num_pages;  // the item's
+  // >= 0: the stage's first tile of 64 tokens is the item's tile `page` (the default shape:
+  // its page `page`); else kTagEmpty or kTagEnd.
+  int32_t page;
+  int32_t num_pages;  // the item's tiles
   int32_t seq_head;
   int32_t last_len;
   int32_t slot;
@@ -206,7 +216,7 @@ __device__ __forceinline__ bool IoFp16(const KernelParams& p) {
 
 template <class C>
 struct alignas(1024) SharedStorage {
-  uint8_t stage[C::kStages][C::kStageBytes];  // 1024-aligned boxes (swizzled)
+  uint8_t stage[C::kStages][C::kRingStageBytes];  // 1024-aligned boxes (swizzled)
   uint8_t q[C::kStages][C::kQBytes];
   float scratch_o[kConsumerWarps][C::kMaxGroup][C::kHeadDim];
   float scratch_m[kConsumerWarps][C::kMaxGroup];
@@ -380,13 +390,15 @@ __device__ __forceinline__ void IssueStage(const KernelParams& p, SharedStorage<
   ring.Advance();
 }
 
-// The same for other shapes (TMA only): stage `index` of the item holds its pages `pages[0..n)`
-// (ids), each as page_size rows of every box of K and of V.
+// The same for other shapes (TMA only): the stage takes the item's tiles from `index` on (of
+// `num_tiles`), its pages `pages[0..n)` (ids): page j into tile j / pps, each page as page_size
+// rows of every box of K and of V.
 template <class C>
 __device__ __forceinline__ void IssueStagePages(const KernelParams& p, SharedStorage<C>& s,
                                                 Ring<C>& ring, const WorkItem& it, int index,
-                                                int num_stages, int last_valid,
-                                                const int (&pages)[4], int n, int lane) {
+                                                int num_tiles, int last_valid,
+                                                const int (&pages)[4 * C::kTilesPerStage], int n,
+                                                int lane) {
   static_assert(!C::kFixed);
   if (lane != 0) {
     ring.Advance();
@@ -399,19 +411,25 @@ __device__ __forceinline__ void IssueStagePages(const KernelParams& p, SharedSto
   const uint32_t dst = ptx::SmemAddr(s.stage[stage]);
   const uint32_t page_bytes = static_cast<uint32_t>(p.page_size) * C::kRowBytes;
   const uint32_t q_bytes = static_cast<uint32_t>(p.group) * C::kHeadDim * 2;
+  const int pps_log2 = __ffs(p.pages_per_stage) - 1;  // pages per tile: 1, 2 or 4
   float2 scales = make_float2(1.0f, 1.0f);
   if (C::kFp8 && first) scales = PageScales(p, pages[0]);  // before the wait: its load in flight
   ptx::MbarWait(ptx::SmemAddr(&s.empty[stage]), ring.phase ^ 1);
-  WriteTag(s, stage, index, it, num_stages, last_valid);
+  WriteTag(s, stage, index, it, num_tiles, last_valid);
   if (C::kFp8 && first) {
     s.tag[stage].k_scale = scales.x;
     s.tag[stage].v_scale = scales.y;
   }
   ptx::MbarArriveExpectTx(full, 2 * C::kBoxes * page_bytes * n + (first ? q_bytes : 0));
-  for (int j = 0; j < n; ++j) {
+#pragma unroll
+  for (int j = 0; j < 4 * C::kTilesPerStage; ++j) {
+    if (j >= n) break;
+    const int tile = C::kTilesPerStage == 1 ? 0 : j >> pps_log2;
+    const uint32_t page_dst =
+        dst + tile * C::kStageBytes + (j - (tile << pps_log2)) * page_bytes;
 #pragma unroll
     for (int b = 0; b < C::kBoxes; ++b) {
-      const uint32_t at = dst + b * C::kBoxBytes + j * page_bytes;
+      const uint32_t at = page_dst + b * C::kBoxBytes;
       ptx::TmaLoad4d(at, &p.k_map, b * C::kBoxDims, kvh, 0, pages[j], full);
       ptx::TmaLoad4d(at + C::kHalfBytes, &p.v_map, b * C::kBoxDims, kvh, 0, pages[j], full);
     }
@@ -543,22 +561,25 @@ __device__ void ProducePart(const KernelParams& p, SharedStorage<C>& s, Ring<C>&
       }
     } else {
       static_assert(kTma, "shapes other than the default use the TMA path");
-      const int pps = p.pages_per_stage;  // 1, 2 or 4: a divisor of 32
-      const int num_stages = (it.num_pages + pps - 1) / pps;
+      const int pps = p.pages_per_stage;  // pages of a tile: 1, 2 or 4
+      const int per_stage = pps * C::kTilesPerStage;  // at most 16: a divisor of 32
+      const int num_tiles = (it.num_pages + pps - 1) / pps;
       const int last_valid =
           ((it.num_pages - 1) % pps) * p.page_size + (it.last_len & kLastLenMask);
       for (int base = 0; base < it.num_pages; base += 32) {
         const int ids = LoadPageIds(p, it, base, lane);
         const int n = min(32, it.num_pages - base);
-        for (int j = 0; j < n; j += pps) {
-          int pages[4];
+        for (int j = 0; j < n; j += per_stage) {
+          int pages[4 * C::kTilesPerStage];
 #pragma unroll
-          for (int k = 0; k < 4; ++k) pages[k] = __shfl_sync(0xffffffffu, ids, (j + k) & 31);
-          const int in_stage = min(pps, n - j);
+          for (int k = 0; k < 4 * C::kTilesPerStage; ++k) {
+            pages[k] = __shfl_sync(0xffffffffu, ids, (j + k) & 31);
+          }
+          const int in_stage = min(per_stage, n - j);
           if (kAppends && append_row >= 0 && base + j + in_stage == it.num_pages) {
             StoreNewRow<C, kTma>(p, it, pages[in_stage - 1], new_row, lane);
           }
-          IssueStagePages<C>(p, s, ring, it, (base + j) / pps, num_stages, last_valid, pages,
+          IssueStagePages<C>(p, s, ring, it, (base + j) / pps, num_tiles, last_valid, pages,
                              in_stage, lane);
         }
       }
@@ -1161,11 +1182,40 @@ __device__ __forceinline__ unsigned long long StampTime(const KernelParams& p) {
   return p.timeline != nullptr ? GlobalTimer() : 0ull;
 }
 
+// One round of a consumer warp: the item's tile at `tile0` and, with `two`, its next one at
+// `tile1`, in one softmax update. valid: the valid tokens of the round's later tile (all 64
+// unless it is the item's last). The V rows past a last tile's valid tokens are zeroed first
+// (in shared memory or in the fragments, Tuning::zero_tail_in_shared).
+template <class C>
+__device__ __forceinline__ void ConsumeTiles(const KernelParams& p, uint8_t* tile0,
+                                             uint8_t* tile1, bool two, int valid,
+                                             const uint32_t (&qa)[C::kKSteps][2], int warp,
+                                             int lane, float scale_log2,
+                                             float (&o)[C::kNTiles][2], float& m, float& l) {
+  const int t0 = warp * kTokensPerWarp;
+  const uint32_t base = ptx::SmemAddr(tile0);
+  const bool tail = valid < t0 + kTokensPerWarp;
+  const bool in_shared = tail && p.zero_tail_in_shared;
+  if (in_shared && t0 < valid) {
+    ZeroVRows<C>(two ? tile1 : tile0, valid, t0 + kTokensPerWarp, lane);
+    __syncwarp();
+  }
+  if (two && t0 < valid) {
+    const uint32_t bases[2] = {base, ptx::SmemAddr(tile1)};
+    ProcessTiles<C, 2>(bases, qa, warp, lane, valid, tail && !in_shared, scale_log2, o, m, l);
+  } else if (two || t0 < valid) {
+    // A pair whose second tile has no valid token of this warp's 16: the first alone.
+    const uint32_t bases[1] = {base};
+    ProcessTiles<C, 1>(bases, qa, warp, lane, two ? kStageTokens : valid,
+                       !two && tail && !in_shared, scale_log2, o, m, l);
+  }
+  if (in_shared && t0 < valid) ptx::FenceProxyAsync();
+}
+
 // The consumers follow the stages' tags until the end tag.
 template <class C, bool kAppends>
 __device__ void Consume(const KernelParams& p, SharedStorage<C>& s, int warp, int lane) {
   const int tid = warp * 32 + lane;
-  const int t0 = warp * kTokensPerWarp;
   int stage = 0;
   uint32_t phase = 0;
   bool first_page = true;
@@ -1186,8 +1236,8 @@ __device__ void Consume(const KernelParams& p, SharedStorage<C>& s, int warp, in
     if (timed) wait_ns += GlobalTimer() - wait_from;
     const StageTag it = s.tag[stage];
     if (it.page == kTagEnd) break;
-    bool pair = false;         // this round takes the item's next stage too
-    int last_index = it.page;  // the item's last stage this round takes
+    bool pair = false;         // this round takes the ring's next stage too
+    int last_index = it.page;  // the item's last tile this round takes
     const int64_t row0 = QueryRow<C>(p, it.seq_head);
     if (it.page == kTagEmpty) {
       WriteEmpty<C>(p, row0, tid);
@@ -1207,32 +1257,35 @@ __device__ void Consume(const KernelParams& p, SharedStorage<C>& s, int warp, in
           v_scale = it.v_scale;
         }
       }
-      // With pairs, the item's next stage is the ring's next one whenever the item has one.
-      pair = C::kPairs && it.page + 1 < it.num_pages;
-      const int next = stage + 1 == C::kStages ? 0 : stage + 1;
-      if (pair) ptx::MbarWait(ptx::SmemAddr(&s.full[next]), next == 0 ? phase ^ 1 : phase);
-      last_index = pair ? it.page + 1 : it.page;
-      pages += pair ? 2 : 1;
       const int last = kAppends ? it.last_len & kLastLenMask : it.last_len;
-      const int valid = last_index == it.num_pages - 1 ? last : kStageTokens;
-      if (!p.skip_attention) {
-        const uint32_t base = ptx::SmemAddr(s.stage[stage]);
-        const bool tail = valid < t0 + kTokensPerWarp;
-        const bool in_shared = tail && p.zero_tail_in_shared;
-        if (in_shared && t0 < valid) {
-          ZeroVRows<C>(s.stage[pair ? next : stage], valid, t0 + kTokensPerWarp, lane);
-          __syncwarp();
+      if constexpr (C::kTilesPerStage == 1) {
+        // With pairs, the item's next tile is the ring's next stage whenever the item has one.
+        pair = C::kPairs && it.page + 1 < it.num_pages;
+        const int next = stage + 1 == C::kStages ? 0 : stage + 1;
+        if (pair) ptx::MbarWait(ptx::SmemAddr(&s.full[next]), next == 0 ? phase ^ 1 : phase);
+        last_index = pair ? it.page + 1 : it.page;
+        pages += pair ? 2 : 1;
+        const int valid = last_index == it.num_pages - 1 ? last : kStageTokens;
+        if (!p.skip_attention) {
+          ConsumeTiles<C>(p, s.stage[stage], s.stage[next], pair, valid, qa, warp, lane,
+                          scale_log2, o, m, l);
         }
-        if (pair && t0 < valid) {
-          const uint32_t bases[2] = {base, ptx::SmemAddr(s.stage[next])};
-          ProcessTiles<C, 2>(bases, qa, warp, lane, valid, tail && !in_shared, scale_log2, o, m, l);
-        } else if (pair || t0 < valid) {
-          // A pair whose second stage has no valid token of this warp's 16: the first alone.
-          const uint32_t bases[1] = {base};
-          ProcessTiles<C, 1>(bases, qa, warp, lane, pair ? kStageTokens : valid,
-                             !pair && tail && !in_shared, scale_log2, o, m, l);
+      } else {
+        const int tiles = min(C::kTilesPerStage, it.num_pages - it.page);
+        last_index = it.page + tiles - 1;
+        pages += tiles;
+        if (!p.skip_attention) {
+#pragma unroll
+          for (int t = 0; t < C::kTilesPerStage; t += 2) {
+            if (t >= tiles) break;
+            const bool two = t + 1 < tiles;
+            const int later = it.page + t + (two ? 1 : 0);
+            const int valid = later == it.num_pages - 1 ? last : kStageTokens;
+            uint8_t* tile = s.stage[stage] + t * C::kStageBytes;
+            ConsumeTiles<C>(p, tile, tile + C::kStageBytes, two, valid, qa, warp, lane,
+                            scale_log2, o, m, l);
+          }
         }
-        if (in_shared && t0 < valid) ptx::FenceProxyAsync();
       }
     }
     __syncwarp();
