@@ -102,6 +102,7 @@ int RunShapes(int argc, char** argv) {
   int iters = 100;
   int page_size = 0;
   int head_dim = 0;
+  uint32_t seed = 1;
   Shape shape;
   bool fp8 = false;
   pk::CudaDecoderTuning tuning;
@@ -113,6 +114,7 @@ int RunShapes(int argc, char** argv) {
     else if (a == "--iters" && i + 1 < argc) iters = std::max(1, std::atoi(argv[++i]));
     else if (a == "--page-size" && i + 1 < argc) page_size = std::atoi(argv[++i]);
     else if (a == "--head-dim" && i + 1 < argc) head_dim = std::atoi(argv[++i]);
+    else if (a == "--seed" && i + 1 < argc) seed = static_cast<uint32_t>(std::atoll(argv[++i]));
     else if (a == "--kv-dtype" && i + 1 < argc) fp8 = std::string(argv[++i]) == "fp8_e4m3";
     else if (a == "--dtype" && i + 1 < argc) shape.dtype = std::string(argv[++i]) == "fp16" ? DType::kFp16 : DType::kBf16;
     else if (a == "--skip-attention") tuning.skip_attention = true;
@@ -121,7 +123,7 @@ int RunShapes(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: %s --shape mixtral_tp2|llama8b|llama70b_tp8|qwen7b|gemma9b "
                    "[--page-size N] [--head-dim N] [--dtype bf16|fp16] [--kv-dtype auto|fp8_e4m3] "
-                   "[--workloads FILE (pages of 64)] [--out FILE] [--iters N]\n"
+                   "[--workloads FILE (pages of 64)] [--out FILE] [--iters N] [--seed N]\n"
                    "  [--skip-attention] (loads only: the outputs are garbage) "
                    "[--tma-promo 0|64|128|256] (the copies' L2 fetch granule)\n",
                    argv[0]);
@@ -151,7 +153,9 @@ int RunShapes(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", error.c_str());
     return 1;
   }
-  std::mt19937 rng(std::random_device{}());
+  // Page orders, short batches and values from one seed (--seed, default 1), so that two builds
+  // or two calls time the same batches.
+  std::mt19937 rng(seed);
   std::vector<pt::Workload> workloads;
   for (const pt::Workload& w : recorded) {
     workloads.push_back(Convert(ShortName(w.name), TokensOf(w), shape.page_size, rng));
