@@ -19,6 +19,7 @@
 
 #include "bench_common.cuh"
 #include "bench_floors.cuh"
+#include "bench_timeline.cuh"
 #include "pagedattn/kernels/cuda_decode.h"
 #include "pagedattn/kernels/shape.h"
 
@@ -103,6 +104,7 @@ int RunShapes(int argc, char** argv) {
   int page_size = 0;
   int head_dim = 0;
   uint32_t seed = 1;
+  bool timelines = false;
   Shape shape;
   bool fp8 = false;
   pk::CudaDecoderTuning tuning;
@@ -119,13 +121,17 @@ int RunShapes(int argc, char** argv) {
     else if (a == "--dtype" && i + 1 < argc) shape.dtype = std::string(argv[++i]) == "fp16" ? DType::kFp16 : DType::kBf16;
     else if (a == "--skip-attention") tuning.skip_attention = true;
     else if (a == "--tma-promo" && i + 1 < argc) tuning.tma_l2_promotion_bytes = std::atoi(argv[++i]);
+    else if (a == "--item-cost" && i + 1 < argc) tuning.item_cost_pages = std::atoi(argv[++i]);
+    else if (a == "--timelines") timelines = true;
     else {
       std::fprintf(stderr,
                    "usage: %s --shape mixtral_tp2|llama8b|llama70b_tp8|qwen7b|gemma9b "
                    "[--page-size N] [--head-dim N] [--dtype bf16|fp16] [--kv-dtype auto|fp8_e4m3] "
                    "[--workloads FILE (pages of 64)] [--out FILE] [--iters N] [--seed N]\n"
                    "  [--skip-attention] (loads only: the outputs are garbage) "
-                   "[--tma-promo 0|64|128|256] (the copies' L2 fetch granule)\n",
+                   "[--tma-promo 0|64|128|256] (the copies' L2 fetch granule)\n"
+                   "  [--item-cost PAGES] (what a (seq, head) start costs a part of the plan) "
+                   "[--timelines] (where each workload's time goes, per CTA)\n",
                    argv[0]);
       return 2;
     }
@@ -235,6 +241,7 @@ int RunShapes(int argc, char** argv) {
         << ",\"kv_bytes\":" << static_cast<int64_t>(bytes) << ",\"us\":" << t.median_us
         << ",\"p10_us\":" << t.p10_us << ",\"p90_us\":" << t.p90_us
         << ",\"floor_us\":" << floor_us << "}\n";
+    if (timelines) PrintTimeline(*decoder, shape_name.c_str(), w, args, flusher, stream, true);
     log_sum += std::log(t.median_us / floor_us);
     ++counted;
     cudaFree(kv);

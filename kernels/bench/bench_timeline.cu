@@ -7,7 +7,8 @@
 namespace pagedattn::kernels::bench {
 
 void PrintTimeline(pk::CudaDecoder& decoder, const char* label, const pt::Workload& w,
-                   DeviceInputs& in, Flusher& flusher, cudaStream_t stream, bool detail) {
+                   const pk::DecodeArgs& args, Flusher& flusher, cudaStream_t stream,
+                   bool detail) {
   constexpr int kSlots = 8;  // per CTA (cuda_decode.h, SetTimelineForBenchmark)
   const int n = decoder.num_ctas();
   const size_t stamps = size_t{kSlots} * n + 2;  // + the merge kernel's end, the flush's end
@@ -20,7 +21,7 @@ void PrintTimeline(pk::CudaDecoder& decoder, const char* label, const pt::Worklo
   for (int r = 0; r < 5; ++r) {
     CHECK_CUDA(cudaMemsetAsync(dev, 0, stamps * sizeof(uint64_t), stream));
     flusher.Flush(stream, FlushMode::kClean, reinterpret_cast<unsigned long long*>(dev + stamps - 1));
-    CheckStatus(decoder.Run(in.args, stream), "Run");
+    CheckStatus(decoder.Run(args, stream), "Run");
     CHECK_CUDA(cudaStreamSynchronize(stream));
   }
   CHECK_CUDA(cudaMemcpy(host.data(), dev, stamps * 8, cudaMemcpyDeviceToHost));

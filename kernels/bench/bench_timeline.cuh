@@ -14,6 +14,7 @@ namespace pagedattn::kernels::bench {
 // items, in-kernel merges, pages, and the time their consumers spent finishing items and
 // waiting for pages.
 void PrintTimeline(pk::CudaDecoder& decoder, const char* label, const pt::Workload& w,
-                   DeviceInputs& in, Flusher& flusher, cudaStream_t stream, bool detail);
+                   const pk::DecodeArgs& args, Flusher& flusher, cudaStream_t stream,
+                   bool detail);
 
 }  // namespace pagedattn::kernels::bench

@@ -394,11 +394,11 @@ int Main(int argc, char** argv) {
       DeviceInputs in;
       in.Init(w, rng());
       const bool detail = sn == "b16_kv993" || sn == "b32_kv1954" || sn == "b128_kv8761";
-      PrintTimeline(*tma, "default", w, in, flusher, stream, false);
-      PrintTimeline(*v6, "v6", w, in, flusher, stream, detail);
-      if (cp) PrintTimeline(*cp, "cp.async", w, in, flusher, stream, false);
-      PrintTimeline(*alt, "v3", w, in, flusher, stream, false);
-      PrintTimeline(*tma, "default", w, in, flusher, stream, detail);
+      PrintTimeline(*tma, "default", w, in.args, flusher, stream, false);
+      PrintTimeline(*v6, "v6", w, in.args, flusher, stream, detail);
+      if (cp) PrintTimeline(*cp, "cp.async", w, in.args, flusher, stream, false);
+      PrintTimeline(*alt, "v3", w, in.args, flusher, stream, false);
+      PrintTimeline(*tma, "default", w, in.args, flusher, stream, detail);
     }
   }
   std::fclose(out);
