@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -35,6 +36,16 @@ detail::KernelSet KernelsFor(const Shape& shape) {
     case 128: return detail::KernelsHeadDim128(pages);
     default: return detail::KernelsHeadDim256(pages);
   }
+}
+
+// The plan's cost per (seq, head) start, in pages (CudaDecoderTuning::item_cost_pages).
+int32_t ItemCostPages(const CudaDecoderOptions& options) {
+  const int32_t pages = options.tuning.item_cost_pages;
+  if (pages != CudaDecoderTuning::kItemCostAuto) return pages;
+  if (options.tuning.parts_per_cta > 1) return 0;
+  const Shape& shape = options.shape;
+  const int64_t head_page_kv_bytes = 2 * shape.page_bytes() / shape.num_kv_heads;
+  return static_cast<int32_t>(std::max<int64_t>(1, (32 << 10) / head_page_kv_bytes));
 }
 
 CUtensorMapDataType TmaType(DType t) {
@@ -208,9 +219,10 @@ KernelStatus CudaDecoder::Create(const Options& options, std::unique_ptr<CudaDec
   if (options.tuning.min_part_units < 1) {
     return Invalid("CudaDecoder::Create: min_part_units < 1");
   }
-  if (options.tuning.item_cost_pages < 0 ||
+  if (options.tuning.item_cost_pages < CudaDecoderTuning::kItemCostAuto ||
       (options.tuning.item_cost_pages > 0 && options.tuning.parts_per_cta > 1)) {
-    return Invalid("CudaDecoder::Create: item_cost_pages must be >= 0, and 0 with parts_per_cta > 1");
+    return Invalid("CudaDecoder::Create: item_cost_pages must be >= 0 or kItemCostAuto, and not "
+                   "> 0 with parts_per_cta > 1");
   }
   int device = options.device;
   if (device < 0 && cudaGetDevice(&device) != cudaSuccess) {
@@ -251,7 +263,7 @@ KernelStatus CudaDecoder::Create(const Options& options, std::unique_ptr<CudaDec
   impl->capacity.max_batch_size = options.max_batch_size;
   impl->capacity.parts_per_cta = options.tuning.parts_per_cta;
   impl->capacity.min_part_units = options.tuning.min_part_units;
-  impl->capacity.item_cost_units = options.tuning.item_cost_pages;
+  impl->capacity.item_cost_units = ItemCostPages(options);
   impl->capacity.num_kv_heads = options.shape.num_kv_heads;
   impl->capacity.page_size = options.shape.page_size;
   impl->path = options.load_path;

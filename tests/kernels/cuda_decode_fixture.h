@@ -25,7 +25,8 @@ class CudaDecodeTest : public ::testing::Test {
   static constexpr int kNumDecoders = 8;
   static void SetUpTestSuite() {
     if (!CudaDecodeDeviceAvailable()) return;
-    // 0, 1: the default TMA and cp.async decoders (one part per CTA; every split sequence
+    // 0, 1: the default TMA and cp.async decoders (one part per CTA, each (seq, head) start
+    // charged one stage's pages; every split sequence
     // merged by the merge kernel, each group as soon as its counter shows its pieces written;
     // a last page's unused V zeroed in registers).
     // 2: every merge inside the decode kernel, the first items read from the plan table instead
@@ -37,8 +38,8 @@ class CudaDecodeTest : public ::testing::Test {
     //    merges, which share the counters).
     // 5: the v6 ways kept as options: merges chosen per batch, the merge kernel waiting for the
     //    whole grid, a last page's unused V rows zeroed in shared memory.
-    // 7: the default with a cost of 2 pages per (seq, head) start in the plan (parts of unequal
-    //    pages).
+    // 7: the default without a cost per (seq, head) start in the plan (parts of equal pages;
+    //    the default charges one stage's pages).
     std::vector<CudaDecoderOptions> configs(kNumDecoders);
     using Merge = CudaDecoderTuning::Merge;
     using MergeWait = CudaDecoderTuning::MergeWait;
@@ -56,7 +57,7 @@ class CudaDecodeTest : public ::testing::Test {
     configs[5].tuning.merge_wait = MergeWait::kGrid;
     configs[5].tuning.zero_tail_in_shared = true;
     configs[6].tuning.merge = Merge::kAuto;
-    configs[7].tuning.item_cost_pages = 2;
+    configs[7].tuning.item_cost_pages = 0;
     for (const CudaDecoderOptions& options : configs) {
       std::unique_ptr<CudaDecoder> d;
       const KernelStatus st = CudaDecoder::Create(options, &d);
@@ -67,7 +68,7 @@ class CudaDecodeTest : public ::testing::Test {
   static const char* Label(size_t i) {
     static const char* const kLabels[kNumDecoders] = {
         "tma", "cp.async", "tma-inmerge", "tma-16parts-inmerge", "tma-16parts-grid-nopdl",
-        "tma-v6-auto-grid-sharedtail", "tma-16parts-auto-counters", "tma-itemcost2"};
+        "tma-v6-auto-grid-sharedtail", "tma-16parts-auto-counters", "tma-equalparts"};
     return kLabels[i];
   }
   static void TearDownTestSuite() { decoders_.clear(); }

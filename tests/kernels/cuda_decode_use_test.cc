@@ -307,8 +307,10 @@ TEST_F(CudaDecodeTest, ReportsMisuseAsStatus) {
   options.tuning.min_part_units = 8;
   options.tuning.item_cost_pages = 2;  // with parts_per_cta 4
   EXPECT_EQ(CudaDecoder::Create(options, &d).code, KernelCode::kInvalidArgument);
+  options.tuning.item_cost_pages = CudaDecoderTuning::kItemCostAuto;  // 0 with parts_per_cta 4
+  EXPECT_TRUE(CudaDecoder::Create(options, &d).ok());
   options.tuning.parts_per_cta = 1;
-  options.tuning.item_cost_pages = -1;
+  options.tuning.item_cost_pages = CudaDecoderTuning::kItemCostAuto - 1;
   EXPECT_EQ(CudaDecoder::Create(options, &d).code, KernelCode::kInvalidArgument);
 }
 

@@ -55,9 +55,14 @@ struct CudaDecoderTuning {
   int32_t parts_per_cta = 1;
   int32_t min_part_units = 8;
   // What starting a (seq, head) costs a part of the plan, in pages (PlanCapacity::
-  // item_cost_units): > 0 gives parts that start many short sequences fewer pages. Needs
-  // parts_per_cta 1. 0: parts of equal pages (the default; docs/performance-kernel.md).
-  int32_t item_cost_pages = 0;
+  // item_cost_units): > 0 gives parts that start many short sequences fewer pages; 0: parts
+  // of equal pages. kItemCostAuto (the default): the pages of one KV head that hold 32 KiB of
+  // K and V, one stage of the ring (1 for the default shape, 8 for fp8 pages of 16 tokens at
+  // head dim 128). Finishing an item costs its CTA about as long as streaming one such stage,
+  // and a CTA that starts 4x the items of another finished last (docs/performance-kernel.md).
+  // Non-zero needs parts_per_cta 1; auto with parts_per_cta > 1 means 0.
+  static constexpr int32_t kItemCostAuto = -1;
+  int32_t item_cost_pages = kItemCostAuto;
   // Who merges the pieces of split (seq, head)s:
   //   kInKernel: the decode kernel's CTA that finishes a group's last piece (its chain of
   //              fence, atomic and loads sits on the critical path when every (seq, head) is
