@@ -461,7 +461,7 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, const NewTokenRows& rows,
   p.num_kv_heads = shape.num_kv_heads;
   p.group = shape.group_size();
   p.page_size = shape.page_size;
-  p.pages_per_stage = detail::kStageTokens / shape.page_size;
+  p.pages_per_tile = detail::kStageTokens / shape.page_size;
   p.io_fp16 = shape.dtype == DType::kFp16 ? 1 : 0;
   p.k_scale = fp8 ? args.k_scale : 1.0f;
   p.v_scale = fp8 ? args.v_scale : 1.0f;

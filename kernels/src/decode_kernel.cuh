@@ -117,10 +117,10 @@ inline constexpr int32_t kMergeOnSignal = 2;
 inline constexpr int32_t kTagEmpty = -1;  // no data: an empty sequence's (seq, head)
 inline constexpr int32_t kTagEnd = -2;    // no data: this CTA has no more work
 struct StageTag {
-  // >= 0: the stage's first tile of 64 tokens is the item's tile `page` (the default shape:
-  // its page `page`); else kTagEmpty or kTagEnd.
-  int32_t page;
-  int32_t num_pages;  // the item's tiles
+  // >= 0: the stage's first tile of 64 tokens is the item's tile `tile` (the default shape:
+  // its page `tile`); else kTagEmpty or kTagEnd.
+  int32_t tile;
+  int32_t num_tiles;  // the item's tiles
   int32_t seq_head;
   int32_t last_len;
   int32_t slot;
@@ -172,7 +172,7 @@ struct KernelParams {
   int32_t num_kv_heads;
   int32_t group;             // num_qo_heads / num_kv_heads, 1..8
   int32_t page_size;         // 16, 32 or 64
-  int32_t pages_per_stage;   // 64 / page_size
+  int32_t pages_per_tile;    // 64 / page_size
   int32_t io_fp16;           // q, new rows and output in fp16 (else bf16); fp8 pages only
   float v_scale;             // fp8 pages: a stored V reads back as value * v_scale
   float k_scale;             // fp8 pages: the same for K (appends divide by it)
@@ -202,10 +202,6 @@ __device__ __forceinline__ int NumQoHeads(const KernelParams& p) {
 template <class C>
 __device__ __forceinline__ int Group(const KernelParams& p) {
   if constexpr (C::kFixed) return kGroupSize; else return p.group;
-}
-template <class C>
-__device__ __forceinline__ int PagesPerStage(const KernelParams& p) {
-  if constexpr (C::kFixed) return 1; else return p.pages_per_stage;
 }
 // Whether q, the new rows and the output are fp16 (else bf16).
 template <class C>
@@ -292,16 +288,16 @@ struct Ring {
   }
 };
 
-// Tags a stage. page: the stage's index in the item (>= 0) or kTagEmpty / kTagEnd; num_pages:
-// the item's stages; last_len: the item's (the default shape, whose stages are its pages) or
-// the valid tokens of the item's last stage (other shapes).
+// Tags a stage. tile: the item's tile the stage starts with (>= 0) or kTagEmpty / kTagEnd;
+// num_tiles: the item's tiles; last_len: the item's (the default shape, whose tiles are its
+// pages) or the valid tokens of the item's last tile (other shapes).
 template <class C>
-__device__ __forceinline__ void WriteTag(SharedStorage<C>& s, int stage, int32_t page,
-                                         const WorkItem& it, int32_t num_pages,
+__device__ __forceinline__ void WriteTag(SharedStorage<C>& s, int stage, int32_t tile,
+                                         const WorkItem& it, int32_t num_tiles,
                                          int32_t last_len) {
   StageTag& t = s.tag[stage];
-  t.page = page;
-  t.num_pages = num_pages;
+  t.tile = tile;
+  t.num_tiles = num_tiles;
   t.seq_head = it.seq_head;
   t.last_len = last_len;
   t.slot = it.slot;
@@ -411,7 +407,7 @@ __device__ __forceinline__ void IssueStagePages(const KernelParams& p, SharedSto
   const uint32_t dst = ptx::SmemAddr(s.stage[stage]);
   const uint32_t page_bytes = static_cast<uint32_t>(p.page_size) * C::kRowBytes;
   const uint32_t q_bytes = static_cast<uint32_t>(p.group) * C::kHeadDim * 2;
-  const int pps_log2 = __ffs(p.pages_per_stage) - 1;  // pages per tile: 1, 2 or 4
+  const int pps_log2 = __ffs(p.pages_per_tile) - 1;  // pages per tile: 1, 2 or 4
   float2 scales = make_float2(1.0f, 1.0f);
   if (C::kFp8 && first) scales = PageScales(p, pages[0]);  // before the wait: its load in flight
   ptx::MbarWait(ptx::SmemAddr(&s.empty[stage]), ring.phase ^ 1);
@@ -561,7 +557,7 @@ __device__ void ProducePart(const KernelParams& p, SharedStorage<C>& s, Ring<C>&
       }
     } else {
       static_assert(kTma, "shapes other than the default use the TMA path");
-      const int pps = p.pages_per_stage;  // pages of a tile: 1, 2 or 4
+      const int pps = p.pages_per_tile;  // pages of a tile: 1, 2 or 4
       const int per_stage = pps * C::kTilesPerStage;  // at most 16: a divisor of 32
       const int num_tiles = (it.num_pages + pps - 1) / pps;
       const int last_valid =
@@ -1235,18 +1231,18 @@ __device__ void Consume(const KernelParams& p, SharedStorage<C>& s, int warp, in
     ptx::MbarWait(ptx::SmemAddr(&s.full[stage]), phase);
     if (timed) wait_ns += GlobalTimer() - wait_from;
     const StageTag it = s.tag[stage];
-    if (it.page == kTagEnd) break;
+    if (it.tile == kTagEnd) break;
     bool pair = false;         // this round takes the ring's next stage too
-    int last_index = it.page;  // the item's last tile this round takes
+    int last_index = it.tile;  // the item's last tile this round takes
     const int64_t row0 = QueryRow<C>(p, it.seq_head);
-    if (it.page == kTagEmpty) {
+    if (it.tile == kTagEmpty) {
       WriteEmpty<C>(p, row0, tid);
     } else {
       if (first_page) {
         Stamp(p, tid, 1, StampTime(p));
         first_page = false;
       }
-      if (it.page == 0) {
+      if (it.tile == 0) {
 #pragma unroll
         for (int n = 0; n < C::kNTiles; ++n) o[n][0] = o[n][1] = 0.0f;
         m = -INFINITY;
@@ -1260,27 +1256,27 @@ __device__ void Consume(const KernelParams& p, SharedStorage<C>& s, int warp, in
       const int last = kAppends ? it.last_len & kLastLenMask : it.last_len;
       if constexpr (C::kTilesPerStage == 1) {
         // With pairs, the item's next tile is the ring's next stage whenever the item has one.
-        pair = C::kPairs && it.page + 1 < it.num_pages;
+        pair = C::kPairs && it.tile + 1 < it.num_tiles;
         const int next = stage + 1 == C::kStages ? 0 : stage + 1;
         if (pair) ptx::MbarWait(ptx::SmemAddr(&s.full[next]), next == 0 ? phase ^ 1 : phase);
-        last_index = pair ? it.page + 1 : it.page;
+        last_index = pair ? it.tile + 1 : it.tile;
         pages += pair ? 2 : 1;
-        const int valid = last_index == it.num_pages - 1 ? last : kStageTokens;
+        const int valid = last_index == it.num_tiles - 1 ? last : kStageTokens;
         if (!p.skip_attention) {
           ConsumeTiles<C>(p, s.stage[stage], s.stage[next], pair, valid, qa, warp, lane,
                           scale_log2, o, m, l);
         }
       } else {
-        const int tiles = min(C::kTilesPerStage, it.num_pages - it.page);
-        last_index = it.page + tiles - 1;
+        const int tiles = min(C::kTilesPerStage, it.num_tiles - it.tile);
+        last_index = it.tile + tiles - 1;
         pages += tiles;
         if (!p.skip_attention) {
 #pragma unroll
           for (int t = 0; t < C::kTilesPerStage; t += 2) {
             if (t >= tiles) break;
             const bool two = t + 1 < tiles;
-            const int later = it.page + t + (two ? 1 : 0);
-            const int valid = later == it.num_pages - 1 ? last : kStageTokens;
+            const int later = it.tile + t + (two ? 1 : 0);
+            const int valid = later == it.num_tiles - 1 ? last : kStageTokens;
             uint8_t* tile = s.stage[stage] + t * C::kStageBytes;
             ConsumeTiles<C>(p, tile, tile + C::kStageBytes, two, valid, qa, warp, lane,
                             scale_log2, o, m, l);
@@ -1296,7 +1292,7 @@ __device__ void Consume(const KernelParams& p, SharedStorage<C>& s, int warp, in
         phase ^= 1;
       }
     }
-    if (it.page >= 0 && last_index == it.num_pages - 1) {
+    if (it.tile >= 0 && last_index == it.num_tiles - 1) {
       last_page_time = StampTime(p);
       Finalize<C>(p, s, it, row0, warp, lane, o, m, l, v_scale);
       if (timed) {
