@@ -23,43 +23,54 @@ KernelStatus Invalid(std::string message) {
   return KernelStatus::Error(KernelCode::kInvalidArgument, std::move(message));
 }
 
-// Walks the (sequence, KV head) segments of the unit line in order.
+// Walks the (sequence, KV head) segments of the unit line in order. On the weighted line every
+// segment is preceded by `cost` units (its start cost): wbegin is where that cost begins, wpages
+// where its pages begin, wend where it ends. Positions are kept, not recomputed, so that a step
+// costs a few additions (the plan runs on the launch path of every batch).
 class SegmentCursor {
  public:
-  SegmentCursor(const int32_t* kv_indptr, int32_t batch_size, int32_t num_kv_heads)
-      : indptr_(kv_indptr), batch_size_(batch_size), heads_(num_kv_heads) {
-    SkipEmpty();
+  SegmentCursor(const int32_t* kv_indptr, int32_t batch_size, int32_t num_kv_heads, int64_t cost)
+      : indptr_(kv_indptr), batch_size_(batch_size), heads_(num_kv_heads), cost_(cost) {
+    StartSequence();
+    wbegin_ = begin_;
   }
   bool done() const { return b_ >= batch_size_; }
   int32_t seq() const { return b_; }
   int32_t head() const { return h_; }
-  int32_t pages() const { return indptr_[b_ + 1] - indptr_[b_]; }
-  int64_t begin() const { return heads_ * int64_t{indptr_[b_]} + int64_t{h_} * pages(); }
-  int64_t end() const { return begin() + pages(); }
-  // On the weighted line (every segment preceded by `cost` units): where the segment's start
-  // cost begins, where its pages begin, and where it ends.
-  int64_t wbegin(int64_t cost) const { return begin() + cost * index_; }
-  int64_t wpages(int64_t cost) const { return wbegin(cost) + cost; }
-  int64_t wend(int64_t cost) const { return wpages(cost) + pages(); }
+  int32_t pages() const { return pages_; }
+  int64_t begin() const { return begin_; }
+  int64_t end() const { return begin_ + pages_; }
+  int64_t wbegin() const { return wbegin_; }
+  int64_t wpages() const { return wbegin_ + cost_; }
+  int64_t wend() const { return wbegin_ + cost_ + pages_; }
   void Next() {
-    ++index_;
+    wbegin_ += cost_ + pages_;
+    begin_ += pages_;
     if (++h_ == heads_) {
       h_ = 0;
       ++b_;
+      StartSequence();
     }
-    SkipEmpty();
   }
 
  private:
-  void SkipEmpty() {
+  // Moves b_ to the next non-empty sequence (from b_ on) and takes its pages and begin.
+  void StartSequence() {
     while (b_ < batch_size_ && indptr_[b_ + 1] == indptr_[b_]) ++b_;
+    if (b_ < batch_size_) {
+      pages_ = indptr_[b_ + 1] - indptr_[b_];
+      begin_ = int64_t{heads_} * indptr_[b_];
+    }
   }
   const int32_t* indptr_;
   int32_t batch_size_;
   int32_t heads_;
+  int64_t cost_;
   int32_t b_ = 0;
-  int h_ = 0;
-  int64_t index_ = 0;  // non-empty segments before this one
+  int32_t h_ = 0;
+  int32_t pages_ = 0;
+  int64_t begin_ = 0;   // on the unit line
+  int64_t wbegin_ = 0;  // on the weighted line
 };
 
 }  // namespace
@@ -150,17 +161,34 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
   int32_t open_group = -1;
   int64_t open_segment_begin = -1;
 
-  SegmentCursor cursor(kv_indptr, batch_size, heads);
+  SegmentCursor cursor(kv_indptr, batch_size, heads, cost);
   int64_t empty_seen = 0;  // empty (seq, head) pairs dealt out so far
   int32_t empty_b = 0;     // scan position for empty sequences
 
   const int32_t k = num_parts / num_ctas;
+  // Part `line` covers [line_units * line / num_parts, line_units * (line + 1) / num_parts) of
+  // the line; the ends advance by step (+1 when the remainder carries), without a division.
+  const int64_t step = line_units / num_parts;
+  const int64_t step_rem = line_units % num_parts;
+  int64_t hi = 0;
+  int64_t carry = 0;
+  int32_t own = 0;    // line / k
+  int32_t phase = 0;  // line % k
   for (int32_t line = 0; line < num_parts; ++line) {
-    const int64_t lo = line_units * line / num_parts;
-    const int64_t hi = line_units * (line + 1) / num_parts;
+    const int64_t lo = hi;
+    hi += step;
+    carry += step_rem;
+    if (carry >= num_parts) {
+      carry -= num_parts;
+      ++hi;
+    }
     // The table index of the part at this line position: every k-th is a CTA's own (index
     // line / k), the others follow num_ctas in line order.
-    const int32_t c = line % k == 0 ? line / k : num_ctas + line - line / k - 1;
+    const int32_t c = phase == 0 ? own : num_ctas + line - own - 1;
+    if (++phase == k) {
+      phase = 0;
+      ++own;
+    }
     int32_t count = 0;
     const int64_t rest_start = rest_used;
     auto emit = [&](const WorkItem& item) -> bool {
@@ -173,17 +201,17 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
       ++count;
       return true;
     };
-    while (!cursor.done() && cursor.wend(cost) <= lo) cursor.Next();
+    while (!cursor.done() && cursor.wend() <= lo) cursor.Next();
 
     // Pass 0 emits the pieces of segments cut by this range's ends (partial results first, so
     // that merges happen early and overlap other work); pass 1 the whole segments inside it.
     // A range that ends inside a segment's start cost leaves the whole segment to the next.
     for (int pass = 0; pass < 2; ++pass) {
       SegmentCursor seg = cursor;
-      for (; !seg.done() && seg.wbegin(cost) < hi; seg.Next()) {
-        const int64_t wp = seg.wpages(cost);
+      for (; !seg.done() && seg.wbegin() < hi; seg.Next()) {
+        const int64_t wp = seg.wpages();
         const int64_t wa = wp > lo ? wp : lo;
-        const int64_t we = seg.wend(cost) < hi ? seg.wend(cost) : hi;
+        const int64_t we = seg.wend() < hi ? seg.wend() : hi;
         if (we <= wa) continue;  // no pages of this segment in the range
         const int64_t a = seg.begin() + (wa - wp);
         const int64_t e = seg.begin() + (we - wp);
@@ -215,7 +243,7 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
     }
     // Empty sequences: each (seq, head) writes zeros and -inf; part c takes an equal share.
     const int64_t empty_pairs = int64_t{heads} * num_empty;
-    const int64_t empty_hi = empty_pairs * (line + 1) / num_parts;
+    const int64_t empty_hi = num_empty == 0 ? 0 : empty_pairs * (line + 1) / num_parts;
     for (; empty_seen < empty_hi; ++empty_seen) {
       while (kv_indptr[empty_b + 1] != kv_indptr[empty_b]) ++empty_b;
       WorkItem item;
