@@ -24,7 +24,9 @@
 # Environment: SERVER_FLAGS (server flags; default one layer, batches of 64, no batching
 # delay, as run_h200.sh asks), QUICK=1 (short loadgen runs), LOADGEN_TIMEOUT (s, default 420),
 # TEST_TIMEOUT (s per test binary, default 300), SMOKE_ARGS (shape of the small loadgen run),
-# MIG_FLAGS (more flags for the tiers step's two servers, e.g. --export_piece_mib=0).
+# MIG_FLAGS (more flags for the tiers step's two servers, e.g. --export_piece_mib=0), MPS=1
+# (every step under an MPS control daemon started here: one GPU context for all the processes,
+# as docs/operations.md recommends for replicas and GPU callers sharing a GPU).
 set -u
 BUNDLE=$(cd "${1:-.device/bundle}" && pwd) || { echo "no bundle" >&2; exit 2; }
 BIN=$BUNDLE/bin
@@ -43,6 +45,14 @@ failures=0
 check() {  # check NAME RC
   if [[ $2 -eq 0 ]]; then say "ok   $1"; else say "FAIL $1 (rc=$2)"; failures=$((failures + 1)); fi
 }
+
+if [[ ${MPS:-0} == 1 ]]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/pagedattn-mps-$$ CUDA_MPS_LOG_DIRECTORY=/tmp/pagedattn-mps-$$-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "MPS=1: nvidia-cuda-mps-control -d failed" >&2; exit 2; }
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  say "MPS: on (control daemon at $CUDA_MPS_PIPE_DIRECTORY)"
+fi
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem \
   --format=csv >> "$LOG" 2>&1
