@@ -162,6 +162,7 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
   int64_t open_segment_begin = -1;
 
   SegmentCursor cursor(kv_indptr, batch_size, heads, cost);
+  const int64_t empty_pairs = int64_t{heads} * num_empty;  // dealt out in equal shares
   int64_t empty_seen = 0;  // empty (seq, head) pairs dealt out so far
   int32_t empty_b = 0;     // scan position for empty sequences
 
@@ -242,8 +243,7 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
       }
     }
     // Empty sequences: each (seq, head) writes zeros and -inf; part c takes an equal share.
-    const int64_t empty_pairs = int64_t{heads} * num_empty;
-    const int64_t empty_hi = num_empty == 0 ? 0 : empty_pairs * (line + 1) / num_parts;
+    const int64_t empty_hi = empty_pairs == 0 ? 0 : empty_pairs * (line + 1) / num_parts;
     for (; empty_seen < empty_hi; ++empty_seen) {
       while (kv_indptr[empty_b + 1] != kv_indptr[empty_b]) ++empty_b;
       WorkItem item;
@@ -263,7 +263,7 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
     }
     num_items += count;
   }
-  if (empty_seen != int64_t{heads} * num_empty) {
+  if (empty_seen != empty_pairs) {
     return Invalid("plan: internal error dealing empty sequences");
   }
 

@@ -8,6 +8,7 @@
 // nanoseconds, and the plan's parts and items.
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -27,7 +28,9 @@ struct Case {
   bool appends = false;        // every sequence's newest token written by the kernel
 };
 
-std::vector<int32_t> Uniform(int32_t batch, int32_t pages) { return std::vector<int32_t>(batch, pages); }
+std::vector<int32_t> Uniform(int32_t batch, int32_t pages) {
+  return std::vector<int32_t>(batch, pages);
+}
 
 std::vector<int32_t> Uneven(int32_t batch, int32_t lo, int32_t hi, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -70,9 +73,11 @@ int main(int argc, char** argv) {
   cap.min_part_units = 8;
   cap.item_cost_units = 1;  // the decoder's default for this shape (32 KiB of K and V per page)
   std::vector<char> table(cap.TableBytes() + 64);
-  void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(table.data()) + 31) & ~uintptr_t{31});
+  void* aligned =
+      reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(table.data()) + 31) & ~uintptr_t{31});
 
-  std::printf("%-30s %10s %10s %6s %6s %7s\n", "case", "mean ns", "p50 ns", "parts", "items", "groups");
+  std::printf("%-30s %10s %10s %6s %6s %7s\n", "case", "mean ns", "p50 ns", "parts", "items",
+              "groups");
   for (const Case& c : cases) {
     const int32_t b = static_cast<int32_t>(c.pages.size());
     std::vector<int32_t> indptr(b + 1, 0), last(b, 64), rows(b);
