@@ -34,11 +34,9 @@ if [[ ${SMOKE:-0} == 1 ]]; then
   pages=2000 l56_pages=100
 fi
 if [[ ${MPS:-0} == 1 ]]; then
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/pagedattn-mps-$$ CUDA_MPS_LOG_DIRECTORY=/tmp/pagedattn-mps-$$-log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d || { echo "MPS=1: nvidia-cuda-mps-control -d failed" >&2; exit 2; }
-  trap 'echo quit | nvidia-cuda-mps-control' EXIT
-  echo "MPS: on (control daemon at $CUDA_MPS_PIPE_DIRECTORY)" >> "$out/summary.txt"
+  source server/backend/mps.sh
+  start_mps || exit 2
+  echo "$MPS_LINE" >> "$out/summary.txt"
 fi
 socket=/tmp/pagedattn-local-$$.sock
 server_pid=

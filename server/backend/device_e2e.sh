@@ -47,11 +47,9 @@ check() {  # check NAME RC
 }
 
 if [[ ${MPS:-0} == 1 ]]; then
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/pagedattn-mps-$$ CUDA_MPS_LOG_DIRECTORY=/tmp/pagedattn-mps-$$-log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d || { echo "MPS=1: nvidia-cuda-mps-control -d failed" >&2; exit 2; }
-  trap 'echo quit | nvidia-cuda-mps-control' EXIT
-  say "MPS: on (control daemon at $CUDA_MPS_PIPE_DIRECTORY)"
+  source "$(dirname "$0")/mps.sh"
+  start_mps || exit 2
+  say "$MPS_LINE"
 fi
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem \
