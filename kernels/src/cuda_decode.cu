@@ -476,6 +476,7 @@ KernelStatus CudaDecoder::Run(const DecodeArgs& args, const NewTokenRows& rows,
                  : on_signal   ? detail::kMergeOnSignal
                                : detail::kMergeAfterGrid;
   p.zero_tail_in_shared = d.options.tuning.zero_tail_in_shared ? 1 : 0;
+  p.output_vec = reinterpret_cast<uintptr_t>(args.output) % 8 == 0 ? 1 : 0;
   p.timeline = reinterpret_cast<unsigned long long*>(d.timeline);
   if (d.options.tuning.first_items_in_params) {
     p.first_from_params = 1;

@@ -160,6 +160,7 @@ struct KernelParams {
   // fence before the stage is released); 0: the V fragments of those tokens are zeroed in
   // registers (no shared-memory write, no fence).
   int32_t zero_tail_in_shared;
+  int32_t output_vec;  // 1: output is 8-byte aligned, stored 4 dims at a time (StoreChunks)
   unsigned long long* timeline;
   // The plan's header and each CTA's first item, copied into the launch parameters (when
   // first_from_params): a CTA starts with its page ids' load instead of a table load first.
@@ -907,6 +908,85 @@ __device__ __forceinline__ void WriteRows(const KernelParams& p, int64_t row0, i
   }
 }
 
+// The end of an item by chunks of 4 dims of one row: chunk c of the item's group x head_dim
+// outputs is row 4c / head_dim, dims 4c % head_dim onwards. A thread combines its chunks (the
+// row's max, sum and weights once per chunk, the 4 warps' dims as float4s) before the barrier
+// that frees the scratch and stores each chunk with one 8-byte (output) or 16-byte (partial)
+// store after it; the thread holding dim 0 of a row writes the row's lse.
+template <class C>
+struct ItemChunks {
+  static constexpr int kPerThread =
+      (C::kMaxGroup * C::kHeadDim / 4 + kConsumerThreads - 1) / kConsumerThreads;
+  float4 out[kPerThread];
+  float lse[kPerThread];
+};
+
+template <class C>
+__device__ __forceinline__ void CombineChunks(const SharedStorage<C>& s, int tid, int group,
+                                              ItemChunks<C>& r) {
+  const int chunks = group * (C::kHeadDim / 4);
+#pragma unroll
+  for (int k = 0; k < ItemChunks<C>::kPerThread; ++k) {
+    const int c = tid + k * kConsumerThreads;
+    if (c >= chunks) break;
+    const int h = c / (C::kHeadDim / 4);
+    const int d = 4 * (c % (C::kHeadDim / 4));
+    float mw[kConsumerWarps];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kConsumerWarps; ++w) {
+      mw[w] = s.scratch_m[w][h];
+      mx = fmaxf(mx, mw[w]);
+    }
+    float sum = 0.0f;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int w = 0; w < kConsumerWarps; ++w) {
+      const float e = ptx::Exp2(mw[w] - mx);
+      sum += e * s.scratch_l[w][h];
+      const float4 o = *reinterpret_cast<const float4*>(&s.scratch_o[w][h][d]);
+      acc.x += e * o.x;
+      acc.y += e * o.y;
+      acc.z += e * o.z;
+      acc.w += e * o.w;
+    }
+    r.out[k] = make_float4(acc.x / sum, acc.y / sum, acc.z / sum, acc.w / sum);
+    r.lse[k] = d == 0 ? mx + log2f(sum) : 0.0f;
+  }
+}
+
+template <class C>
+__device__ __forceinline__ void StoreChunks(const KernelParams& p, int64_t row0, int slot,
+                                            int tid, int group, const ItemChunks<C>& r) {
+  const int chunks = group * (C::kHeadDim / 4);
+#pragma unroll
+  for (int k = 0; k < ItemChunks<C>::kPerThread; ++k) {
+    const int c = tid + k * kConsumerThreads;
+    if (c >= chunks) break;
+    const int h = c / (C::kHeadDim / 4);
+    const int d = 4 * (c % (C::kHeadDim / 4));
+    const float4 v = r.out[k];
+    if (slot < 0) {
+      uint16_t* const dst = p.output + (row0 + h) * C::kHeadDim + d;
+      const uint32_t lo = ToIo<C>(p, v.x) | (uint32_t{ToIo<C>(p, v.y)} << 16);
+      const uint32_t hi = ToIo<C>(p, v.z) | (uint32_t{ToIo<C>(p, v.w)} << 16);
+      if (p.output_vec) {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
+      } else {
+        dst[0] = static_cast<uint16_t>(lo);
+        dst[1] = static_cast<uint16_t>(lo >> 16);
+        dst[2] = static_cast<uint16_t>(hi);
+        dst[3] = static_cast<uint16_t>(hi >> 16);
+      }
+      if (d == 0) p.lse[row0 + h] = r.lse[k];
+    } else {
+      *reinterpret_cast<float4*>(p.part_o + int64_t{slot} * C::kPartialFloats +
+                                 h * C::kHeadDim + d) = v;
+      if (d == 0) p.part_lse[slot * C::kMaxGroup + h] = r.lse[k];
+    }
+  }
+}
+
 // N consecutive floats of a partial output, loaded and kept together.
 template <int N>
 struct alignas(N >= 4 ? 16 : 8) Dims {
@@ -1094,42 +1174,11 @@ __device__ void Finalize(const KernelParams& p, SharedStorage<C>& s, const Stage
     ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
     if (it.slot < 0) return;
   } else {
-  float out[C::kDimsPerThread][C::kMaxGroup];
-  float lse2[C::kDimsPerThread][C::kMaxGroup];
-#pragma unroll
-  for (int i = 0; i < C::kDimsPerThread; ++i) {
-    const int d = tid + i * kConsumerThreads;
-    if (C::kHeadDim >= kConsumerThreads || d < C::kHeadDim) CombineWarps(s, d, group, out[i], lse2[i]);
-  }
-  ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
-  const bool holds_dims = C::kHeadDim >= kConsumerThreads || tid < C::kHeadDim;
-  if (it.slot < 0) {
-    if (holds_dims) {
-#pragma unroll
-      for (int i = 0; i < C::kDimsPerThread; ++i) {
-        WriteRows<C>(p, row0, tid + i * kConsumerThreads, group, out[i], lse2[i]);
-      }
-    }
-    return;
-  }
-  float* po = p.part_o + int64_t{it.slot} * C::kPartialFloats;
-  if (holds_dims) {
-#pragma unroll
-    for (int i = 0; i < C::kDimsPerThread; ++i) {
-#pragma unroll
-      for (int h = 0; h < C::kMaxGroup; ++h) {
-        if (h >= group) break;
-        po[h * C::kHeadDim + tid + i * kConsumerThreads] = out[i][h];
-      }
-    }
-  }
-  if (tid == 0) {
-#pragma unroll
-    for (int h = 0; h < C::kMaxGroup; ++h) {
-      if (h >= group) break;
-      p.part_lse[it.slot * C::kMaxGroup + h] = lse2[0][h];
-    }
-  }
+    ItemChunks<C> r;
+    CombineChunks<C>(s, tid, group, r);
+    ptx::NamedBarrierSync(kConsumerBarrier, kConsumerThreads);
+    StoreChunks<C>(p, row0, it.slot, tid, group, r);
+    if (it.slot < 0) return;
   }
   if (p.merge_mode == kMergeAfterGrid) return;
   // The barrier orders every thread's partial stores before thread 0's release (cumulativity),
