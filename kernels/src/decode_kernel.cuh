@@ -921,16 +921,23 @@ struct ItemChunks {
   float lse[kPerThread];
 };
 
+// Where a thread's k-th chunk lies: its row h and first dim d; false past the item's chunks.
+template <class C>
+__device__ __forceinline__ bool ChunkAt(int tid, int k, int group, int& h, int& d) {
+  const int c = tid + k * kConsumerThreads;
+  if (c >= group * (C::kHeadDim / 4)) return false;
+  h = c / (C::kHeadDim / 4);
+  d = 4 * (c % (C::kHeadDim / 4));
+  return true;
+}
+
 template <class C>
 __device__ __forceinline__ void CombineChunks(const SharedStorage<C>& s, int tid, int group,
                                               ItemChunks<C>& r) {
-  const int chunks = group * (C::kHeadDim / 4);
 #pragma unroll
   for (int k = 0; k < ItemChunks<C>::kPerThread; ++k) {
-    const int c = tid + k * kConsumerThreads;
-    if (c >= chunks) break;
-    const int h = c / (C::kHeadDim / 4);
-    const int d = 4 * (c % (C::kHeadDim / 4));
+    int h, d;
+    if (!ChunkAt<C>(tid, k, group, h, d)) break;
     float mw[kConsumerWarps];
     float mx = -INFINITY;
 #pragma unroll
@@ -958,13 +965,10 @@ __device__ __forceinline__ void CombineChunks(const SharedStorage<C>& s, int tid
 template <class C>
 __device__ __forceinline__ void StoreChunks(const KernelParams& p, int64_t row0, int slot,
                                             int tid, int group, const ItemChunks<C>& r) {
-  const int chunks = group * (C::kHeadDim / 4);
 #pragma unroll
   for (int k = 0; k < ItemChunks<C>::kPerThread; ++k) {
-    const int c = tid + k * kConsumerThreads;
-    if (c >= chunks) break;
-    const int h = c / (C::kHeadDim / 4);
-    const int d = 4 * (c % (C::kHeadDim / 4));
+    int h, d;
+    if (!ChunkAt<C>(tid, k, group, h, d)) break;
     const float4 v = r.out[k];
     if (slot < 0) {
       uint16_t* const dst = p.output + (row0 + h) * C::kHeadDim + d;
