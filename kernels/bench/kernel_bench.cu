@@ -27,6 +27,7 @@
 #include "bench_common.cuh"
 #include "bench_shapes.cuh"
 #include "bench_floors.cuh"
+#include "bench_handoff.cuh"
 #include "bench_launch_sequence.cuh"
 #include "bench_timeline.cuh"
 #include "workload.h"
@@ -78,6 +79,7 @@ int Main(int argc, char** argv) {
   bool timelines = false;
   bool sweep = false;
   bool launch_sequence = false;
+  bool handoff = false;
   bool small_batches = false;
   bool floors = true;
   for (int i = 1; i < argc; ++i) {
@@ -92,13 +94,14 @@ int Main(int argc, char** argv) {
     else if (a == "--timelines") timelines = true;
     else if (a == "--sweep") sweep = true;
     else if (a == "--launch-sequence") launch_sequence = true;
+    else if (a == "--handoff") handoff = true;
     else if (a == "--small-batches") small_batches = true;
     else if (a == "--no-floors") floors = false;
     else {
       std::fprintf(stderr,
                    "usage: %s [--workloads FILE] [--out FILE] [--iters N] [--no-uneven] "
                    "[--no-cpasync] [--variants] [--timelines] [--sweep] [--launch-sequence] "
-                   "[--small-batches] [--default-cpasync] [--no-floors]\n",
+                   "[--handoff] [--small-batches] [--default-cpasync] [--no-floors]\n",
                    argv[0]);
       return 2;
     }
@@ -142,6 +145,11 @@ int Main(int argc, char** argv) {
                          ? "by a kernel, on counters"
                          : "by a kernel, after the grid")
                                                                           : "in the decode kernel");
+
+  if (handoff) {
+    TimeHandoff(tma->num_ctas(), stream, iters);
+    return 0;
+  }
 
   std::mt19937 rng(std::random_device{}());
   if (uneven) {
