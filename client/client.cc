@@ -8,11 +8,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "grpc/grpc.h"
+#include "grpc/support/time.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
 
 namespace pagedattn::client {
+
+using Stub = v1::PagedAttention::Stub;
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
@@ -158,25 +161,73 @@ std::unique_ptr<grpc::ClientContext> Client::NewContext() const {
   return context;
 }
 
+namespace {
+
+// The completion queue of this thread's busy-polled calls, reused from call to call. A thread
+// has at most one such call in flight, so the next event on it is that call's.
+class PollQueue {
+ public:
+  ~PollQueue() {
+    queue_.Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (queue_.Next(&tag, &ok)) {
+    }
+  }
+  grpc::CompletionQueue* get() { return &queue_; }
+
+ private:
+  grpc::CompletionQueue queue_;
+};
+
+grpc::CompletionQueue* ThreadPollQueue() {
+  thread_local PollQueue queue;
+  return queue.get();
+}
+
+}  // namespace
+
+template <typename Request, typename Response>
+grpc::Status Client::Unary(
+    grpc::Status (Stub::*call)(grpc::ClientContext*, const Request&, Response*),
+    std::unique_ptr<grpc::ClientAsyncResponseReader<Response>> (Stub::*prepare)(
+        grpc::ClientContext*, const Request&, grpc::CompletionQueue*),
+    const Request& request, Response* response) {
+  const std::unique_ptr<grpc::ClientContext> context = NewContext();
+  if (!options_.busy_poll) return (stub_.get()->*call)(context.get(), request, response);
+  grpc::CompletionQueue* const queue = ThreadPollQueue();
+  std::unique_ptr<grpc::ClientAsyncResponseReader<Response>> reader =
+      (stub_.get()->*prepare)(context.get(), request, queue);
+  reader->StartCall();
+  grpc::Status status;
+  reader->Finish(response, &status, reader.get());
+  void* tag = nullptr;
+  bool ok = false;
+  // A zero deadline: each turn polls the call's connection without blocking.
+  while (queue->AsyncNext(&tag, &ok, gpr_time_0(GPR_CLOCK_MONOTONIC)) !=
+         grpc::CompletionQueue::GOT_EVENT) {
+  }
+  return status;
+}
+
 absl::StatusOr<v1::GetModelConfigResponse> Client::GetModelConfig() {
-  auto context = NewContext();
   v1::GetModelConfigResponse response;
-  grpc::Status status = stub_->GetModelConfig(context.get(), v1::GetModelConfigRequest(), &response);
+  grpc::Status status = Unary(&Stub::GetModelConfig, &Stub::PrepareAsyncGetModelConfig,
+      v1::GetModelConfigRequest(), &response);
   if (!status.ok()) return FromGrpcStatus(status);
   return response;
 }
 
 absl::Status Client::CreateSequence(uint64_t sequence_id) {
-  auto context = NewContext();
   v1::CreateSequenceRequest request;
   request.set_sequence_id(sequence_id);
   v1::CreateSequenceResponse response;
-  return FromGrpcStatus(stub_->CreateSequence(context.get(), request, &response));
+  return FromGrpcStatus(Unary(&Stub::CreateSequence, &Stub::PrepareAsyncCreateSequence,
+      request, &response));
 }
 
 absl::StatusOr<int64_t> Client::AppendKV(uint64_t sequence_id, int32_t layer, int32_t num_tokens,
                                          std::string k, std::string v) {
-  auto context = NewContext();
   v1::AppendKVRequest request;
   request.set_sequence_id(sequence_id);
   request.set_layer(layer);
@@ -187,42 +238,40 @@ absl::StatusOr<int64_t> Client::AppendKV(uint64_t sequence_id, int32_t layer, in
 }
 
 absl::StatusOr<int64_t> Client::AppendKV(const v1::AppendKVRequest& request) {
-  auto context = NewContext();
   v1::AppendKVResponse response;
-  grpc::Status status = stub_->AppendKV(context.get(), request, &response);
+  grpc::Status status = Unary(&Stub::AppendKV, &Stub::PrepareAsyncAppendKV, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
   return response.length();
 }
 
 absl::StatusOr<v1::DecodeResponse> Client::Decode(const v1::DecodeRequest& request) {
-  auto context = NewContext();
   v1::DecodeResponse response;
-  grpc::Status status = stub_->Decode(context.get(), request, &response);
+  grpc::Status status = Unary(&Stub::Decode, &Stub::PrepareAsyncDecode, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
   return response;
 }
 
 absl::Status Client::ForkSequence(uint64_t parent_id, uint64_t child_id) {
-  auto context = NewContext();
   v1::ForkSequenceRequest request;
   request.set_parent_id(parent_id);
   request.set_child_id(child_id);
   v1::ForkSequenceResponse response;
-  return FromGrpcStatus(stub_->ForkSequence(context.get(), request, &response));
+  return FromGrpcStatus(Unary(&Stub::ForkSequence, &Stub::PrepareAsyncForkSequence,
+      request, &response));
 }
 
 absl::Status Client::ReleaseSequence(uint64_t sequence_id) {
-  auto context = NewContext();
   v1::ReleaseSequenceRequest request;
   request.set_sequence_id(sequence_id);
   v1::ReleaseSequenceResponse response;
-  return FromGrpcStatus(stub_->ReleaseSequence(context.get(), request, &response));
+  return FromGrpcStatus(Unary(&Stub::ReleaseSequence, &Stub::PrepareAsyncReleaseSequence,
+      request, &response));
 }
 
 absl::StatusOr<v1::GetStatsResponse> Client::GetStats() {
-  auto context = NewContext();
   v1::GetStatsResponse response;
-  grpc::Status status = stub_->GetStats(context.get(), v1::GetStatsRequest(), &response);
+  grpc::Status status = Unary(&Stub::GetStats, &Stub::PrepareAsyncGetStats,
+      v1::GetStatsRequest(), &response);
   if (!status.ok()) return FromGrpcStatus(status);
   return response;
 }
@@ -315,49 +364,49 @@ absl::StatusOr<int64_t> Client::CopySequenceTo(uint64_t sequence_id, Client& des
 }
 
 absl::Status Client::OffloadSequence(uint64_t sequence_id) {
-  auto context = NewContext();
   v1::OffloadSequenceRequest request;
   request.set_sequence_id(sequence_id);
   v1::OffloadSequenceResponse response;
-  return FromGrpcStatus(stub_->OffloadSequence(context.get(), request, &response));
+  return FromGrpcStatus(Unary(&Stub::OffloadSequence, &Stub::PrepareAsyncOffloadSequence,
+      request, &response));
 }
 
 absl::Status Client::RegisterSystemMemory(const std::string& name, const std::string& key,
                                           uint64_t offset, uint64_t byte_size) {
-  auto context = NewContext();
   v1::RegisterSystemMemoryRequest request;
   request.set_name(name);
   request.set_key(key);
   request.set_offset(offset);
   request.set_byte_size(byte_size);
   v1::RegisterSystemMemoryResponse response;
-  return FromGrpcStatus(stub_->RegisterSystemMemory(context.get(), request, &response));
+  return FromGrpcStatus(Unary(&Stub::RegisterSystemMemory, &Stub::PrepareAsyncRegisterSystemMemory,
+      request, &response));
 }
 
 absl::Status Client::RegisterCudaMemory(const std::string& name, const std::string& raw_handle,
                                         int32_t device_id, uint64_t byte_size) {
-  auto context = NewContext();
   v1::RegisterCudaMemoryRequest request;
   request.set_name(name);
   request.set_raw_handle(raw_handle);
   request.set_device_id(device_id);
   request.set_byte_size(byte_size);
   v1::RegisterCudaMemoryResponse response;
-  return FromGrpcStatus(stub_->RegisterCudaMemory(context.get(), request, &response));
+  return FromGrpcStatus(Unary(&Stub::RegisterCudaMemory, &Stub::PrepareAsyncRegisterCudaMemory,
+      request, &response));
 }
 
 absl::Status Client::UnregisterMemory(const std::string& name) {
-  auto context = NewContext();
   v1::UnregisterMemoryRequest request;
   request.set_name(name);
   v1::UnregisterMemoryResponse response;
-  return FromGrpcStatus(stub_->UnregisterMemory(context.get(), request, &response));
+  return FromGrpcStatus(Unary(&Stub::UnregisterMemory, &Stub::PrepareAsyncUnregisterMemory,
+      request, &response));
 }
 
 absl::StatusOr<std::vector<v1::MemoryRegion>> Client::ListMemory() {
-  auto context = NewContext();
   v1::ListMemoryResponse response;
-  grpc::Status status = stub_->ListMemory(context.get(), v1::ListMemoryRequest(), &response);
+  grpc::Status status = Unary(&Stub::ListMemory, &Stub::PrepareAsyncListMemory,
+      v1::ListMemoryRequest(), &response);
   if (!status.ok()) return FromGrpcStatus(status);
   return std::vector<v1::MemoryRegion>(response.regions().begin(), response.regions().end());
 }

@@ -33,6 +33,9 @@ ABSL_FLAG(bool, connection_per_caller, true,
           "Closed loop: each caller on a TCP/HTTP/2 connection of its own (false: all share one)");
 ABSL_FLAG(int32_t, http2_window_bytes, 8 << 20,
           "HTTP/2 stream window this client grants, fixed (no BDP probing); 0: gRPC's default");
+ABSL_FLAG(bool, busy_poll, false,
+          "Unary calls (and the rpc_floor) wait by spinning on the calling thread instead of "
+          "sleeping (ClientOptions::busy_poll): one busy core per caller");
 ABSL_FLAG(int32_t, http2_max_frame_bytes, 0, "Largest HTTP/2 frame this client accepts; 0: gRPC's 16 KiB");
 
 ABSL_FLAG(std::string, mode, "closed", "closed (concurrency callers) | open (steps arrive at --rate)");
@@ -201,6 +204,7 @@ int main(int argc, char** argv) {
   client_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   client_options.http2_window_bytes = absl::GetFlag(FLAGS_http2_window_bytes);
   client_options.http2_max_frame_bytes = absl::GetFlag(FLAGS_http2_max_frame_bytes);
+  client_options.busy_poll = absl::GetFlag(FLAGS_busy_poll);
   auto client = pagedattn::client::Client::Connect(client_options);
   if (!client.ok()) {
     std::cerr << "pagedattn-loadgen: " << client.status() << "\n";
@@ -258,7 +262,10 @@ int main(int argc, char** argv) {
         points.Push(std::move(failed));
         continue;
       }
-      if (Json* cfg = result->Find("config"); cfg != nullptr) cfg->Set("target", client_options.target);
+      if (Json* cfg = result->Find("config"); cfg != nullptr) {
+        cfg->Set("target", client_options.target);
+        cfg->Set("busy_poll", client_options.busy_poll);
+      }
       std::cout << pagedattn::loadgen::FormatSummary(*result) << std::flush;
       if (const Json* shape = result->Find("shape"); shape != nullptr) sweep_shape = shape->string();
       all_ok = all_ok && Succeeded(*result);

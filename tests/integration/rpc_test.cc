@@ -1,5 +1,12 @@
 // Every RPC against the real server, results checked against the float64 reference.
 
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
 #include "tests/integration/integration_test.h"
 
 namespace pagedattn::testing {
@@ -135,6 +142,65 @@ TEST_F(RpcTest, CreateAndReleaseRestoreThePool) {
   ASSERT_TRUE(client_->CreateSequence(9).ok());
   mirror_->Create(9);
   DecodeAndCheck(RandomDecode(next_request_id_++, 0, {9}, false, rng_));
+}
+
+TEST_F(RpcTest, BusyPolledCallsAnswerLikeBlockingOnes) {
+  StartServer({});
+  client::ClientOptions options;
+  options.target = server_->grpc_target();
+  options.timeout = absl::Seconds(30);
+  options.busy_poll = true;
+  auto connected = client::Client::Connect(options);
+  ASSERT_TRUE(connected.ok()) << connected.status();
+  client::Client& busy = **connected;
+  Prefill(1, 70);
+  Prefill(2, 5);
+  // An attend-only Decode changes nothing: both clients get the same bytes.
+  const v1::DecodeRequest look = RandomDecode(next_request_id_++, 0, {1, 2}, false, rng_);
+  auto blocking_response = client_->Decode(look);
+  auto busy_response = busy.Decode(look);
+  ASSERT_TRUE(blocking_response.ok()) << blocking_response.status();
+  ASSERT_TRUE(busy_response.ok()) << busy_response.status();
+  EXPECT_EQ(busy_response->output(), blocking_response->output());
+  EXPECT_EQ(busy_response->lse(), blocking_response->lse());
+  EXPECT_TRUE(mirror_->ApplyAndCheck(look, *busy_response));
+  // Decode steps through the busy client, against the reference.
+  for (int step = 0; step < 3; ++step) {
+    const v1::DecodeRequest r = RandomDecode(next_request_id_++, 0, {1, 2}, true, rng_);
+    auto response = busy.Decode(r);
+    ASSERT_TRUE(response.ok()) << response.status();
+    EXPECT_TRUE(mirror_->ApplyAndCheck(r, *response));
+  }
+  EXPECT_EQ(Snapshot().tokens, 70 + 5 + 2 * 3);
+  // Errors come back code for code.
+  EXPECT_EQ(busy.Decode(RandomDecode(next_request_id_++, 0, {77}, false, rng_)).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(busy.CreateSequence(1).code(), absl::StatusCode::kAlreadyExists);
+  // Calls from several threads at once, each spinning on its own queue.
+  std::vector<std::thread> threads;
+  std::atomic<int> answered{0};
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 40; ++i) {
+        auto config = busy.GetModelConfig();
+        auto stats = busy.GetStats();
+        if (config.ok() && config->num_layers() == 1 && stats.ok() && stats->sequences() == 2) {
+          answered.fetch_add(1);
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(answered.load(), 3 * 40);
+  // The deadline ends the spin: a call waiting for a server that never comes.
+  options.target = absl::StrCat("unix:/tmp/pagedattn-nobody-", getpid(), ".sock");
+  options.wait_for_ready = true;
+  options.timeout = absl::Milliseconds(200);
+  auto waiting = client::Client::Connect(options);
+  ASSERT_TRUE(waiting.ok());
+  const absl::Time begin = absl::Now();
+  EXPECT_EQ((*waiting)->GetStats().status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_GE(absl::Now() - begin, absl::Milliseconds(150));
 }
 
 TEST_F(RpcTest, DecodeStreamAppliesStepsInOrderAndAnswersInOrder) {

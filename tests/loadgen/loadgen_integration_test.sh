@@ -56,6 +56,11 @@ case $case in
     loadgen --batch_size=4 --concurrency=2 --lengths=uniform --min_context_len=50 --max_context_len=400 \
       --steps=8 --check_sequences=3 --out="$work/r.json"
     "$python" "$here/check_result.py" "$work/r.json"
+    # The same with busy-polled calls, registered shared-memory tensors and their reference check.
+    loadgen --busy_poll --tensors=system --batch_size=4 --concurrency=2 --context_len=130 --steps=8 \
+      --check_sequences=2 --out="$work/busy.json"
+    "$python" "$here/check_result.py" "$work/busy.json"
+    grep -q '"busy_poll": *true' "$work/busy.json" || { echo "busy_poll not in the result's config"; exit 1; }
     # A pool too small for the request: refused before anything is created, exit 1.
     rc=0
     loadgen --batch_size=64 --context_len=4096 --steps=1 2>"$work/err.txt" || rc=$?
