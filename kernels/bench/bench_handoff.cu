@@ -15,6 +15,8 @@ constexpr int kThreads = 128;
 constexpr uint32_t kStop = 0xffffffffu;
 // Per CTA and hop: 8 words of 16 bytes (128 bytes) of the step table.
 constexpr int kWordsPerCta = 8;
+// Untimed steps before each way's timed ones.
+constexpr int kWarmup = 50;
 
 __device__ __forceinline__ uint32_t LoadAcquireSystem(const uint32_t* p) {
   uint32_t v;
@@ -145,11 +147,22 @@ void Report(const char* way, std::vector<double> us) {
   std::fflush(stdout);
 }
 
-void SpinOnEvent(cudaEvent_t e) {
-  cudaError_t q;
-  while ((q = cudaEventQuery(e)) == cudaErrorNotReady) {
+// Host round trips of `iters` steps (after kWarmup): `issue` enqueues a step on `stream`, then
+// the host records `done` and spins on it.
+template <typename Issue>
+std::vector<double> TimeCalls(int iters, cudaStream_t stream, cudaEvent_t done, Issue issue) {
+  std::vector<double> us;
+  for (int i = 0; i < kWarmup + iters; ++i) {
+    const Clock::time_point t0 = Clock::now();
+    issue();
+    CHECK_CUDA(cudaEventRecord(done, stream));
+    cudaError_t q;
+    while ((q = cudaEventQuery(done)) == cudaErrorNotReady) {
+    }
+    CHECK_CUDA(q);
+    if (i >= kWarmup) us.push_back(MicrosSince(t0));
   }
-  CHECK_CUDA(q);
+  return us;
 }
 
 struct DoorbellWay {
@@ -163,8 +176,7 @@ struct DoorbellWay {
 // One resident grid, `iters` steps: prints the host's round trips and, from the GPU's clock,
 // the span from CTA 0 seeing the bell to the ack's store.
 void TimeDoorbell(const DoorbellWay& way, cudaStream_t stream, int iters) {
-  const int warmup = 50;
-  const int steps = warmup + iters;
+  const int steps = kWarmup + iters;
   const int num_ctas = way.num_ctas;
   const int hops = way.hops;
   uint32_t* words = nullptr;  // [bell, ack]
@@ -222,7 +234,7 @@ void TimeDoorbell(const DoorbellWay& way, cudaStream_t stream, int iters) {
     __atomic_store_n(bell, static_cast<uint32_t>(i), __ATOMIC_SEQ_CST);
     while (__atomic_load_n(ack, __ATOMIC_ACQUIRE) != static_cast<uint32_t>(i)) {
     }
-    if (i > warmup) us.push_back(MicrosSince(t0));
+    if (i > kWarmup) us.push_back(MicrosSince(t0));
     if (hops > 0 && i % 97 == 0) {
       std::vector<uint32_t> got(num_ctas);
       CHECK_CUDA(cudaMemcpy(got.data(), sums, num_ctas * sizeof(uint32_t),
@@ -240,7 +252,7 @@ void TimeDoorbell(const DoorbellWay& way, cudaStream_t stream, int iters) {
   std::vector<unsigned long long> t(2 * (steps + 1));
   CHECK_CUDA(cudaMemcpy(t.data(), stamps, t.size() * sizeof(t[0]), cudaMemcpyDeviceToHost));
   std::vector<double> gpu;
-  for (int i = warmup + 1; i <= steps; ++i) gpu.push_back(1e-3 * double(t[2 * i + 1] - t[2 * i]));
+  for (int i = kWarmup + 1; i <= steps; ++i) gpu.push_back(1e-3 * double(t[2 * i + 1] - t[2 * i]));
   char name[96];
   std::snprintf(name, sizeof(name), "%s, %d CTA%s", way.name, num_ctas, num_ctas > 1 ? "s" : "");
   Report(name, us);
@@ -260,33 +272,19 @@ void TimeHandoff(int num_ctas, cudaStream_t stream, int iters) {
               kThreads, iters);
   cudaEvent_t done;
   CHECK_CUDA(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-  {
-    std::vector<double> us;
-    for (int i = 0; i < 50 + iters; ++i) {
-      const Clock::time_point t0 = Clock::now();
-      EmptyGrid<<<num_ctas, kThreads, 0, stream>>>();
-      CHECK_CUDA(cudaEventRecord(done, stream));
-      SpinOnEvent(done);
-      if (i >= 50) us.push_back(MicrosSince(t0));
-    }
-    Report("launch", us);
-  }
+  Report("launch", TimeCalls(iters, stream, done, [&] {
+           EmptyGrid<<<num_ctas, kThreads, 0, stream>>>();
+         }));
   {
     constexpr size_t kTableBytes = 16 << 10;  // a B=64 step's tables are about this size
     void *host = nullptr, *dev = nullptr;
     CHECK_CUDA(cudaHostAlloc(&host, kTableBytes, cudaHostAllocDefault));
     CHECK_CUDA(cudaMalloc(&dev, kTableBytes));
-    std::vector<double> us;
-    for (int i = 0; i < 50 + iters; ++i) {
-      const Clock::time_point t0 = Clock::now();
-      CHECK_CUDA(cudaMemcpyAsync(dev, host, kTableBytes, cudaMemcpyHostToDevice, stream));
-      EmptyGrid<<<num_ctas, kThreads, 0, stream>>>();
-      EmptyGrid<<<num_ctas, kThreads, 0, stream>>>();
-      CHECK_CUDA(cudaEventRecord(done, stream));
-      SpinOnEvent(done);
-      if (i >= 50) us.push_back(MicrosSince(t0));
-    }
-    Report("step calls (copy, 2 grids)", us);
+    Report("step calls (copy, 2 grids)", TimeCalls(iters, stream, done, [&] {
+             CHECK_CUDA(cudaMemcpyAsync(dev, host, kTableBytes, cudaMemcpyHostToDevice, stream));
+             EmptyGrid<<<num_ctas, kThreads, 0, stream>>>();
+             EmptyGrid<<<num_ctas, kThreads, 0, stream>>>();
+           }));
     CHECK_CUDA(cudaFree(dev));
     CHECK_CUDA(cudaFreeHost(host));
   }
