@@ -88,6 +88,7 @@ struct CudaDecoder::Impl {
   const void* run_host_table = nullptr;
   const void* run_dev_table = nullptr;
   PlanSummary plan;
+  std::unique_ptr<PlanMemo> memo;  // plans with the capacity; reuses the last one's pages
   PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   CUtensorMap k_map{};
   CUtensorMap v_map{};
@@ -266,6 +267,7 @@ KernelStatus CudaDecoder::Create(const Options& options, std::unique_ptr<CudaDec
   impl->capacity.item_cost_units = ItemCostPages(options);
   impl->capacity.num_kv_heads = options.shape.num_kv_heads;
   impl->capacity.page_size = options.shape.page_size;
+  impl->memo = std::make_unique<PlanMemo>(impl->capacity);
   impl->path = options.load_path;
   if (impl->path == CudaLoadPath::kTma) {
     void* fn = nullptr;
@@ -325,8 +327,8 @@ KernelStatus CudaDecoder::Plan(const int32_t* kv_indptr, const int32_t* kv_last_
     d.copy_pending = false;
   }
   d.planned = false;
-  KernelStatus st = BuildDecodePlan(kv_indptr, kv_last_page_len, batch_size, d.capacity,
-                                    d.host_table, &d.plan, append_rows);
+  KernelStatus st =
+      d.memo->Build(kv_indptr, kv_last_page_len, batch_size, d.host_table, &d.plan, append_rows);
   if (!st.ok()) return st;
   PA_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(d.dev_table, d.host_table, d.plan.used_bytes,
                                           cudaMemcpyHostToDevice, stream),
@@ -348,8 +350,8 @@ KernelStatus CudaDecoder::PlanInto(const int32_t* kv_indptr, const int32_t* kv_l
       !Aligned16(host_table) || !Aligned16(dev_table)) {
     return Invalid("CudaDecoder::PlanInto: null or unaligned table or used_bytes");
   }
-  KernelStatus st = BuildDecodePlan(kv_indptr, kv_last_page_len, batch_size, d.capacity,
-                                    host_table, &d.plan, append_rows);
+  KernelStatus st =
+      d.memo->Build(kv_indptr, kv_last_page_len, batch_size, host_table, &d.plan, append_rows);
   if (!st.ok()) return st;
   *used_bytes = d.plan.used_bytes;
   d.run_host_table = host_table;

@@ -1,5 +1,7 @@
 #include "pagedattn/kernels/decode_plan.h"
 
+#include <algorithm>
+#include <cstring>
 #include <string>
 
 #include "pagedattn/kernels/decode.h"
@@ -73,6 +75,43 @@ class SegmentCursor {
   int64_t wbegin_ = 0;  // on the weighted line
 };
 
+// The per-sequence checks of BuildDecodePlan (kv_indptr non-decreasing, last page lengths,
+// append rows), in sequence order, so the first bad sequence names the error; counts the empty
+// sequences and the appends.
+KernelStatus CheckSequences(const int32_t* kv_indptr, const int32_t* kv_last_page_len,
+                            const int32_t* append_rows, int32_t batch_size, int32_t page_size,
+                            int32_t* num_empty, int32_t* num_appends) {
+  for (int32_t b = 0; b < batch_size; ++b) {
+    const int32_t pages = kv_indptr[b + 1] - kv_indptr[b];
+    if (kv_indptr[b + 1] < kv_indptr[b]) {
+      return Invalid("plan: kv_indptr decreases at " + std::to_string(b + 1));
+    }
+    if (pages == 0) {
+      ++*num_empty;
+    } else if (kv_last_page_len[b] < 1 || kv_last_page_len[b] > page_size) {
+      return Invalid("plan: kv_last_page_len[" + std::to_string(b) + "] = " +
+                     std::to_string(kv_last_page_len[b]) + " outside 1.." +
+                     std::to_string(page_size));
+    }
+    if (append_rows != nullptr && append_rows[b] != -1) {
+      if (append_rows[b] < 0 || append_rows[b] >= kMaxAppendRows || pages == 0) {
+        return Invalid("plan: append_rows[" + std::to_string(b) + "] = " +
+                       std::to_string(append_rows[b]) +
+                       (pages == 0 ? " for an empty sequence" : " outside -1..2^22-1"));
+      }
+      ++*num_appends;
+    }
+  }
+  return KernelStatus::Ok();
+}
+
+// The last_len field of an item that ends its (sequence, KV head): the valid tokens of the
+// sequence's last page, and the append row + 1 above them.
+int32_t EndLastLen(const int32_t* kv_last_page_len, const int32_t* append_rows, int32_t seq) {
+  const int32_t row = append_rows == nullptr ? -1 : append_rows[seq];
+  return kv_last_page_len[seq] | ((row + 1) << kLastLenBits);
+}
+
 }  // namespace
 
 KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_page_len,
@@ -114,26 +153,10 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
   if (batch_size > 0 && kv_indptr[0] != 0) return Invalid("plan: kv_indptr[0] != 0");
   int32_t num_empty = 0;
   int32_t num_appends = 0;
-  for (int32_t b = 0; b < batch_size; ++b) {
-    const int32_t pages = kv_indptr[b + 1] - kv_indptr[b];
-    if (kv_indptr[b + 1] < kv_indptr[b]) {
-      return Invalid("plan: kv_indptr decreases at " + std::to_string(b + 1));
-    }
-    if (pages == 0) {
-      ++num_empty;
-    } else if (kv_last_page_len[b] < 1 || kv_last_page_len[b] > page_size) {
-      return Invalid("plan: kv_last_page_len[" + std::to_string(b) + "] = " +
-                     std::to_string(kv_last_page_len[b]) + " outside 1.." +
-                     std::to_string(page_size));
-    }
-    if (append_rows != nullptr && append_rows[b] != -1) {
-      if (append_rows[b] < 0 || append_rows[b] >= kMaxAppendRows || pages == 0) {
-        return Invalid("plan: append_rows[" + std::to_string(b) + "] = " +
-                       std::to_string(append_rows[b]) +
-                       (pages == 0 ? " for an empty sequence" : " outside -1..2^22-1"));
-      }
-      ++num_appends;
-    }
+  if (KernelStatus st = CheckSequences(kv_indptr, kv_last_page_len, append_rows, batch_size,
+                                       page_size, &num_empty, &num_appends);
+      !st.ok()) {
+    return st;
   }
 
   auto* groups = reinterpret_cast<MergeGroup*>(static_cast<char*>(table) +
@@ -223,10 +246,7 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
         item.num_pages = static_cast<int32_t>(e - a);
         item.seq_head = seg.seq() * heads + seg.head();
         item.last_len = page_size;
-        if (e == seg.end()) {
-          const int32_t row = append_rows == nullptr ? -1 : append_rows[seg.seq()];
-          item.last_len = kv_last_page_len[seg.seq()] | ((row + 1) << kLastLenBits);
-        }
+        if (e == seg.end()) item.last_len = EndLastLen(kv_last_page_len, append_rows, seg.seq());
         if (!whole) {
           if (open_segment_begin != seg.begin()) {
             if (num_groups >= capacity.MaxGroups()) return Invalid("plan: merge groups overflow");
@@ -283,6 +303,77 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
   summary->used_bytes =
       capacity.ItemsOffset() + static_cast<size_t>(num_parts + rest_used) * sizeof(WorkItem);
   return KernelStatus::Ok();
+}
+
+PlanMemo::PlanMemo(const PlanCapacity& capacity) : capacity_(capacity) {
+  indptr_.reserve(static_cast<size_t>(std::max(capacity.max_batch_size, 0)) + 1);
+  ends_.reserve(static_cast<size_t>(std::max(int64_t{0}, capacity.MaxParts() + capacity.MaxItems())));
+}
+
+KernelStatus PlanMemo::Build(const int32_t* kv_indptr, const int32_t* kv_last_page_len,
+                             int32_t batch_size, void* table, PlanSummary* summary,
+                             const int32_t* append_rows) {
+  last_hit_ = false;
+  const bool same_pages = batch_size > 0 && kv_indptr != nullptr &&
+                          static_cast<size_t>(batch_size) + 1 == indptr_.size() &&
+                          std::memcmp(kv_indptr, indptr_.data(),
+                                      indptr_.size() * sizeof(int32_t)) == 0;
+  if (same_pages && stored_ && table != nullptr && summary != nullptr &&
+      kv_last_page_len != nullptr) {
+    // The same pages: the same parts, items and groups. Only the lengths and append rows are
+    // new; they get the same checks as in BuildDecodePlan.
+    int32_t num_empty = 0;
+    int32_t num_appends = 0;
+    if (KernelStatus st = CheckSequences(kv_indptr, kv_last_page_len, append_rows, batch_size,
+                                         capacity_.page_size, &num_empty, &num_appends);
+        !st.ok()) {
+      return st;
+    }
+    std::memcpy(table, table_.data(), summary_.used_bytes);
+    auto* items = reinterpret_cast<WorkItem*>(static_cast<char*>(table) +
+                                              capacity_.ItemsOffset());
+    for (const int32_t i : ends_) {
+      WorkItem& item = items[i];
+      const int32_t seq = item.seq_head / capacity_.num_kv_heads;
+      item.last_len = EndLastLen(kv_last_page_len, append_rows, seq);
+    }
+    *summary = summary_;
+    summary->num_appends = num_appends;
+    last_hit_ = true;
+    return KernelStatus::Ok();
+  }
+  KernelStatus st = BuildDecodePlan(kv_indptr, kv_last_page_len, batch_size, capacity_, table,
+                                    summary, append_rows);
+  if (!st.ok() || batch_size == 0) {
+    indptr_.clear();
+    stored_ = false;
+    return st;
+  }
+  if (!same_pages) {
+    // New pages: only they are remembered, so that batches that never repeat pay no copy.
+    indptr_.assign(kv_indptr, kv_indptr + batch_size + 1);
+    stored_ = false;
+    return st;
+  }
+  // The second batch in a row with these pages: remember the plan too, and which items end
+  // their (sequence, KV head) (their pages reach the sequence's end in kv_indices).
+  table_.resize((summary->used_bytes + 7) / 8);
+  std::memcpy(table_.data(), table, summary->used_bytes);
+  ends_.clear();
+  const auto* items = reinterpret_cast<const WorkItem*>(static_cast<const char*>(table) +
+                                                        capacity_.ItemsOffset());
+  const int64_t num_items =
+      static_cast<int64_t>(summary->used_bytes - capacity_.ItemsOffset()) / sizeof(WorkItem);
+  for (int64_t i = 0; i < num_items; ++i) {
+    const WorkItem& item = items[i];
+    const int32_t seq = item.seq_head / capacity_.num_kv_heads;
+    if (item.num_pages > 0 && item.page_begin + item.num_pages == kv_indptr[seq + 1]) {
+      ends_.push_back(static_cast<int32_t>(i));
+    }
+  }
+  summary_ = *summary;
+  stored_ = true;
+  return st;
 }
 
 }  // namespace pagedattn::kernels

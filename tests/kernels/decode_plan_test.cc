@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -461,6 +462,126 @@ TEST(DecodePlanTest, RejectsInvalidBatches) {
   bad = PlanCapacity{132, 8, 1, 0};
   EXPECT_EQ(BuildDecodePlan(indptr.data(), last.data(), 1, bad, table.data(), &summary).code,
             KernelCode::kInvalidArgument);
+}
+
+bool SameSummary(const PlanSummary& a, const PlanSummary& b) {
+  return a.batch_size == b.batch_size && a.total_pages == b.total_pages &&
+         a.num_segments == b.num_segments && a.num_parts == b.num_parts &&
+         a.num_items == b.num_items && a.num_groups == b.num_groups &&
+         a.num_slots == b.num_slots && a.active_parts == b.active_parts &&
+         a.num_appends == b.num_appends && a.used_bytes == b.used_bytes;
+}
+
+// Whether two plans of one capacity hold the same header, merge groups and items (the bytes
+// of the groups' room past num_groups are not written).
+bool SamePlanBytes(const PlanCapacity& cap, const PlanSummary& summary, const void* a,
+                   const void* b) {
+  const auto* x = static_cast<const char*>(a);
+  const auto* y = static_cast<const char*>(b);
+  const size_t groups_end = cap.GroupsOffset() + summary.num_groups * sizeof(MergeGroup);
+  return std::memcmp(x, y, groups_end) == 0 &&
+         std::memcmp(x + cap.ItemsOffset(), y + cap.ItemsOffset(),
+                     summary.used_bytes - cap.ItemsOffset()) == 0;
+}
+
+// New last-page lengths and append rows for the same pages, as the next decode step (or the
+// next layer) of the same sequences brings.
+void NextStep(std::mt19937& rng, int page_size, bool appends, Batch* b) {
+  b->append_rows.clear();
+  for (int s = 0; s < b->size(); ++s) {
+    const bool empty = b->indptr[s + 1] == b->indptr[s];
+    b->last[s] = empty ? static_cast<int32_t>(rng() % 3) : 1 + static_cast<int32_t>(rng() % page_size);
+    if (appends) {
+      b->append_rows.push_back(!empty && rng() % 4 != 0 ? static_cast<int32_t>(rng() % 5000) : -1);
+    }
+  }
+}
+
+TEST(PlanMemoTest, GivesBuildDecodePlansBytesWhetherItReusesOrNot) {
+  std::mt19937 rng(2024);
+  struct Setup {
+    int ctas, parts, min_units, cost, heads, page_size;
+  };
+  const Setup setups[] = {{132, 1, 8, 1, 4, 64}, {132, 1, 8, 8, 8, 16}, {7, 4, 2, 0, 1, 16},
+                          {132, 16, 1, 0, 4, 32}, {256, 1, 8, 2, 2, 64}};
+  for (const Setup& su : setups) {
+    PlanCapacity cap;
+    cap.num_ctas = su.ctas;
+    cap.max_batch_size = 512;
+    cap.parts_per_cta = su.parts;
+    cap.min_part_units = su.min_units;
+    cap.item_cost_units = su.cost;
+    cap.num_kv_heads = su.heads;
+    cap.page_size = su.page_size;
+    PlanMemo memo(cap);
+    std::vector<uint64_t> fresh(cap.TableBytes() / 8 + 1), reused(cap.TableBytes() / 8 + 1);
+    int hits = 0;
+    Batch b;
+    for (int trial = 0; trial < 300; ++trial) {
+      SCOPED_TRACE("ctas " + std::to_string(su.ctas) + " trial " + std::to_string(trial));
+      const bool appends = trial % 3 != 0;
+      if (trial % 5 == 0) {
+        b = RandomBatch(rng, 1 + static_cast<int>(rng() % 200), 1 + static_cast<int>(rng() % 90),
+                        trial % 10 == 0 ? 0.2 : 0.0, su.page_size);
+      }
+      NextStep(rng, su.page_size, appends, &b);
+      const int32_t* rows = b.append_rows.empty() ? nullptr : b.append_rows.data();
+      // Leftovers of an earlier plan in the caller's buffer must not matter.
+      std::fill(reused.begin(), reused.end(), rng());
+      PlanSummary want, got;
+      const KernelStatus w =
+          BuildDecodePlan(b.indptr.data(), b.last.data(), b.size(), cap, fresh.data(), &want, rows);
+      const KernelStatus g =
+          memo.Build(b.indptr.data(), b.last.data(), b.size(), reused.data(), &got, rows);
+      ASSERT_TRUE(w.ok()) << w.message;
+      ASSERT_TRUE(g.ok()) << g.message;
+      hits += memo.last_hit() ? 1 : 0;
+      // New pages are planned twice before the plan is reused.
+      EXPECT_EQ(memo.last_hit(), trial % 5 > 1);
+      ASSERT_TRUE(SameSummary(want, got));
+      ASSERT_TRUE(SamePlanBytes(cap, want, fresh.data(), reused.data()));
+    }
+    EXPECT_EQ(hits, 180);
+  }
+}
+
+TEST(PlanMemoTest, ChecksReusedPlansAsBuildDecodePlanDoes) {
+  PlanCapacity cap{132, 8};
+  PlanMemo memo(cap);
+  std::vector<uint64_t> table(cap.TableBytes() / 8 + 1), fresh(cap.TableBytes() / 8 + 1);
+  PlanSummary summary, want;
+  std::vector<int32_t> indptr{0, 5, 5, 9}, last{3, 0, 64};
+  ASSERT_TRUE(memo.Build(indptr.data(), last.data(), 3, table.data(), &summary).ok());
+  EXPECT_FALSE(memo.last_hit());
+  ASSERT_TRUE(memo.Build(indptr.data(), last.data(), 3, table.data(), &summary).ok());
+  EXPECT_FALSE(memo.last_hit());  // remembered now
+  const auto same_error = [&](std::vector<int32_t> new_last, std::vector<int32_t> rows) {
+    const int32_t* r = rows.empty() ? nullptr : rows.data();
+    const KernelStatus g = memo.Build(indptr.data(), new_last.data(), 3, table.data(), &summary, r);
+    const KernelStatus w = BuildDecodePlan(indptr.data(), new_last.data(), 3, cap, fresh.data(),
+                                           &want, r);
+    EXPECT_EQ(g.code, KernelCode::kInvalidArgument);
+    EXPECT_EQ(g.code, w.code);
+    EXPECT_EQ(g.message, w.message);
+  };
+  same_error({0, 0, 64}, {});         // a last page with no token
+  same_error({3, 0, 65}, {});         // longer than a page
+  same_error({3, 0, 64}, {0, 1, -1});  // an append to an empty sequence
+  same_error({3, 0, 64}, {kMaxAppendRows, -1, -1});
+  // The memo still holds the pages after the refusals.
+  ASSERT_TRUE(memo.Build(indptr.data(), last.data(), 3, table.data(), &summary).ok());
+  EXPECT_TRUE(memo.last_hit());
+  // A refused batch of other pages makes the memo forget.
+  std::vector<int32_t> other{0, 5, 3, 9};
+  EXPECT_EQ(memo.Build(other.data(), last.data(), 3, table.data(), &summary).code,
+            KernelCode::kInvalidArgument);
+  EXPECT_FALSE(memo.last_hit());
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(memo.Build(indptr.data(), last.data(), 3, table.data(), &summary).ok());
+    EXPECT_FALSE(memo.last_hit());
+  }
+  ASSERT_TRUE(memo.Build(indptr.data(), last.data(), 3, table.data(), &summary).ok());
+  EXPECT_TRUE(memo.last_hit());
 }
 
 // Executes a plan on the CPU the way the kernel does (each item's own softmax, partial results

@@ -26,6 +26,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "pagedattn/kernels/status.h"
 
@@ -130,5 +131,34 @@ struct PlanSummary {
 KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_page_len,
                              int32_t batch_size, const PlanCapacity& capacity, void* table,
                              PlanSummary* summary, const int32_t* append_rows = nullptr);
+
+// BuildDecodePlan for a caller whose consecutive batches often keep their pages: the decode
+// steps of one sequence set keep kv_indptr for page_size - 1 steps in page_size, and the layers
+// of one step share it. A plan depends on kv_last_page_len and append_rows only through the
+// last_len of the items that end a (sequence, KV head), so a batch with the remembered
+// kv_indptr gets the remembered plan with those fields rewritten: the same plan and summary as
+// BuildDecodePlan's, after the same checks, at the cost of a copy. The plan is remembered from
+// the second batch in a row with the same kv_indptr on, so batches whose pages never repeat
+// pay only the comparison. One caller at a time.
+class PlanMemo {
+ public:
+  explicit PlanMemo(const PlanCapacity& capacity);
+  // BuildDecodePlan with this memo's capacity; allocates only while a plan larger than any
+  // before it is remembered.
+  KernelStatus Build(const int32_t* kv_indptr, const int32_t* kv_last_page_len,
+                     int32_t batch_size, void* table, PlanSummary* summary,
+                     const int32_t* append_rows = nullptr);
+  // Whether the last Build reused the remembered plan.
+  bool last_hit() const { return last_hit_; }
+
+ private:
+  PlanCapacity capacity_;
+  bool stored_ = false;  // table_, ends_ and summary_ hold the plan of indptr_
+  bool last_hit_ = false;
+  std::vector<int32_t> indptr_;   // the last batch's kv_indptr
+  std::vector<uint64_t> table_;   // the remembered plan's used bytes
+  std::vector<int32_t> ends_;     // its items that end a (sequence, KV head), by index
+  PlanSummary summary_;
+};
 
 }  // namespace pagedattn::kernels
