@@ -186,7 +186,6 @@ Metrics::Metrics()
 }
 
 prometheus::Histogram* Metrics::DurationOf(std::string_view method) {
-  absl::MutexLock lock(&mu_);
   auto it = duration_by_method_.find(method);
   if (it == duration_by_method_.end()) {
     it = duration_by_method_
@@ -197,23 +196,32 @@ prometheus::Histogram* Metrics::DurationOf(std::string_view method) {
   return it->second;
 }
 
+Metrics::RequestSeries Metrics::SeriesOf(std::string_view method, std::string_view code,
+                                          std::string_view transport) {
+  const std::array<std::string_view, 3> key = {method, code, transport};
+  absl::MutexLock lock(&mu_);
+  if (auto it = series_.find(key); it != series_.end()) return it->second;
+  const RequestSeries series{&requests_.Add({{"method", std::string(method)},
+                                             {"code", std::string(code)},
+                                             {"transport", std::string(transport)}}),
+                             DurationOf(method)};
+  series_.emplace(RequestKey{std::string(method), std::string(code), std::string(transport)},
+                  series);
+  return series;
+}
+
 void Metrics::DeclareMethod(std::string_view method, const std::vector<std::string_view>& codes,
                             std::string_view transport) {
-  for (std::string_view code : codes) {
-    requests_.Add({{"method", std::string(method)},
-                   {"code", std::string(code)},
-                   {"transport", std::string(transport)}});
-  }
+  for (std::string_view code : codes) SeriesOf(method, code, transport);
+  absl::MutexLock lock(&mu_);
   DurationOf(method);
 }
 
 void Metrics::RecordRequest(std::string_view method, std::string_view code, double seconds,
                             std::string_view transport) {
-  requests_.Add({{"method", std::string(method)},
-                 {"code", std::string(code)},
-                 {"transport", std::string(transport)}})
-      .Increment();
-  DurationOf(method)->Observe(seconds);
+  const RequestSeries series = SeriesOf(method, code, transport);
+  series.count->Increment();
+  series.duration->Observe(seconds);
 }
 
 void Metrics::RecordQueueDuration(double seconds) { queue_duration_.Observe(seconds); }
