@@ -9,8 +9,7 @@
 # socket. Writes OUT_DIR/<run>.json, summary.txt and tensors.md (the table against the targets),
 # and grpc_floor_{tcp,unix}.txt (pagedattn_grpc_floor_bench, when the bundle has it).
 # SMOKE=1: tiny shapes, for trying the script on a CPU-backend server (cuda runs are skipped).
-# KINDS: the tensor kinds to run (default "inline system cuda"). With cuda, the one-caller cuda
-# runs are repeated with a busy-polled client (--busy_poll: *_cuda_poll).
+# KINDS: the tensor kinds to run (default "inline system cuda").
 # SERVER: the server binary's name in BUNDLE/bin (default pagedattn-server), to measure a variant.
 set -uo pipefail
 out=${1:?usage: run_tensors_h200.sh OUT_DIR [BUNDLE]}
@@ -48,10 +47,6 @@ for kind in $kinds; do
   run "tcp_b${b}_c1_$kind" --tensors=$kind --concurrency=1 --batch_size=$b --context_len=$ctx \
     --warmup_steps=20 --steps=$steps --check_sequences=4 --check_decodes=32
 done
-if [[ " $kinds " == *" cuda "* ]]; then
-  run "tcp_b${b}_c1_cuda_poll" --tensors=cuda --busy_poll --concurrency=1 --batch_size=$b \
-    --context_len=$ctx --warmup_steps=20 --steps=$steps --check_sequences=4 --check_decodes=32
-fi
 for kind in $kinds; do
   run "tcp_b${b}_s4_$kind" --tensors=$kind --concurrency=4 --api=stream --stream_in_flight=2 \
     --batch_size=$b --context_len=$ctx --warmup_steps=20 --steps=$steps
@@ -62,10 +57,6 @@ for kind in $kinds; do
   run "unix_b1_c1_$kind" --tensors=$kind --concurrency=1 --batch_size=1 --context_len=$small_ctx \
     --warmup_steps=200 --steps=$small_steps --check_sequences=1 --check_decodes=32
 done
-if [[ " $kinds " == *" cuda "* ]]; then
-  run "unix_b1_c1_cuda_poll" --tensors=cuda --busy_poll --concurrency=1 --batch_size=1 \
-    --context_len=$small_ctx --warmup_steps=200 --steps=$small_steps --check_sequences=1 --check_decodes=32
-fi
 stop_server
 # What gRPC alone charges for the same bytes (opaque payloads between two processes, no
 # protobuf, no service): the floor of the inline runs above, beside their p50 - kernel - round trip.
