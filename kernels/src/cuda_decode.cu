@@ -88,7 +88,7 @@ struct CudaDecoder::Impl {
   const void* run_host_table = nullptr;
   const void* run_dev_table = nullptr;
   PlanSummary plan;
-  std::unique_ptr<PlanMemo> memo;  // plans with the capacity; reuses the last one's pages
+  std::unique_ptr<PlanMemo> memo;  // plans with `capacity`, reusing a plan while its pages stay
   PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   CUtensorMap k_map{};
   CUtensorMap v_map{};
