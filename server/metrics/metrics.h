@@ -154,9 +154,13 @@ class Metrics {
   using RequestKey = std::array<std::string, 3>;  // method, code, transport
   struct RequestKeyLess {
     using is_transparent = void;
+    template <typename K>
+    static std::tuple<std::string_view, std::string_view, std::string_view> View(const K& k) {
+      return {k[0], k[1], k[2]};
+    }
     template <typename A, typename B>
     bool operator()(const A& a, const B& b) const {
-      return std::tie(a[0], a[1], a[2]) < std::tie(b[0], b[1], b[2]);
+      return View(a) < View(b);
     }
   };
   absl::Mutex mu_;
