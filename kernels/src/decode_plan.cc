@@ -307,7 +307,8 @@ KernelStatus BuildDecodePlan(const int32_t* kv_indptr, const int32_t* kv_last_pa
 
 PlanMemo::PlanMemo(const PlanCapacity& capacity) : capacity_(capacity) {
   indptr_.reserve(static_cast<size_t>(std::max(capacity.max_batch_size, 0)) + 1);
-  ends_.reserve(static_cast<size_t>(std::max(int64_t{0}, capacity.MaxParts() + capacity.MaxItems())));
+  ends_.reserve(
+      static_cast<size_t>(std::max(int64_t{0}, capacity.MaxParts() + capacity.MaxItems())));
 }
 
 KernelStatus PlanMemo::Build(const int32_t* kv_indptr, const int32_t* kv_last_page_len,

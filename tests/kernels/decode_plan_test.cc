@@ -490,7 +490,8 @@ void NextStep(std::mt19937& rng, int page_size, bool appends, Batch* b) {
   b->append_rows.clear();
   for (int s = 0; s < b->size(); ++s) {
     const bool empty = b->indptr[s + 1] == b->indptr[s];
-    b->last[s] = empty ? static_cast<int32_t>(rng() % 3) : 1 + static_cast<int32_t>(rng() % page_size);
+    b->last[s] = empty ? static_cast<int32_t>(rng() % 3)
+                       : 1 + static_cast<int32_t>(rng() % page_size);
     if (appends) {
       b->append_rows.push_back(!empty && rng() % 4 != 0 ? static_cast<int32_t>(rng() % 5000) : -1);
     }
